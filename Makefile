@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` (install + a short training run) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# A tiny LLaMA on Python's own source code, 8 simulated CPU devices, mesh dp=2 fsdp=2 tp=2.
+run: install
+	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=150 --batch_size=16 --seq_len=256 \
+		--lr=3e-3 --log_every=10 --output_dir=outputs/run
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/python bench/train_throughput.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from meshlm.cli import main
+
+sys.exit(main())

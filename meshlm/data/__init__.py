@@ -1,0 +1,43 @@
+"""Training data: corpora (`corpus.py`), tokenizers (`tokenizer.py`), packing and per-process
+loading (`loader.py`).
+
+    tok = load_tokenizer(None, "stdlib", vocab_size=32000)   # trains once, then cached
+    loader = make_loader("stdlib", tok, seq_len=1024, global_batch_size=64,
+                         process_index=jax.process_index(), process_count=jax.process_count())
+    batch = next(loader)   # dict of numpy arrays [64 / process_count, 1024]
+"""
+
+from meshlm.data.corpus import (
+    DEFAULT_DATASET,
+    SYNTHETIC,
+    Corpus,
+    cache_root,
+    is_synthetic,
+    open_corpus,
+)
+from meshlm.data.loader import DataLoader, make_loader, pack_rows, tokenize_corpus
+from meshlm.data.tokenizer import (
+    EOS_TOKEN,
+    SyntheticTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+__all__ = [
+    "DEFAULT_DATASET",
+    "EOS_TOKEN",
+    "SYNTHETIC",
+    "Corpus",
+    "DataLoader",
+    "SyntheticTokenizer",
+    "Tokenizer",
+    "cache_root",
+    "is_synthetic",
+    "load_tokenizer",
+    "make_loader",
+    "open_corpus",
+    "pack_rows",
+    "tokenize_corpus",
+    "train_tokenizer",
+]

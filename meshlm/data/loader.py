@@ -1,0 +1,296 @@
+"""Packing and per-process loading: token ids in, one process's share of each global batch out.
+
+Packing: every document is tokenized and followed by the end-of-text id, all of them are
+concatenated into one stream (cached as `<cache>/tokens/<spec>-<hash>.npy`), and row r of the
+corpus is the `seq_len + 1` tokens starting at `r * seq_len`, so that every token is a target
+exactly once. A batch holds, each `[rows, seq_len]`:
+
+- `inputs`, `targets`: a row without its last / first token (int32);
+- `segment_ids`: 1, 2, 3... numbering the documents within the row (a document ends with its
+  end-of-text token), so that attention never crosses a document boundary (int32);
+- `positions`: the position within the document's piece of the row, 0 at each document start and at
+  the row start (int32);
+- `loss_mask`: 0 where the target is the first token of the next document, which the input cannot
+  know about, 1 elsewhere (float32).
+
+Loading: step s of epoch e = s // steps_per_epoch takes global rows `k*B .. k*B+B-1` (k = s mod
+steps_per_epoch) of the epoch's permutation of all rows, seeded by (seed, e). Process p of P gets
+global rows `p*B/P .. (p+1)*B/P - 1` of that batch, so the processes' pieces, stacked in process
+order, are exactly the one-process batch. `batch(step)` is a pure function of the step, which makes
+resuming exact: a loader restored at step k yields what a fresh one yields at step k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+from rich.console import Console
+
+from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
+from meshlm.errors import UsageError
+
+_FORMAT = "tokens-v1"  # bump to invalidate cached token files when packing changes
+_ENCODE_CHUNK = 256  # documents per parallel encode call
+
+
+def pack_rows(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """Turn `[n, seq_len + 1]` token rows into a batch dict (see the module docstring)."""
+    rows = np.asarray(rows, dtype=np.int32)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    ends = inputs == eos_id  # the target after an end-of-text token starts the next document
+    starts = np.zeros_like(ends)
+    starts[:, 0] = True
+    starts[:, 1:] = ends[:, :-1]
+    index = np.arange(inputs.shape[1], dtype=np.int32)
+    last_start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return {
+        "inputs": np.ascontiguousarray(inputs),
+        "targets": np.ascontiguousarray(targets),
+        "positions": (index - last_start).astype(np.int32),
+        "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
+        "loss_mask": (~ends).astype(np.float32),
+    }
+
+
+def tokenize_corpus(
+    spec: str,
+    tokenizer,
+    *,
+    cache_dir=None,
+    text_field: str = "text",
+    console: Console | None = None,
+) -> np.ndarray:
+    """The corpus as one stream of token ids, each document followed by `tokenizer.eos_id`.
+    Cached on disk (memory-mapped when read back) keyed by corpus and tokenizer fingerprints."""
+    corpus = open_corpus(spec, text_field)
+    key = f"{_FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "corpus"
+    path = (
+        cache_root(cache_dir)
+        / "tokens"
+        / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+    )
+    if path.is_file():
+        return np.load(path, mmap_mode="r")
+
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    pieces, n_docs, n_tokens = [], 0, 0
+    console = console or Console(stderr=True)
+    with console.status(f"Tokenizing {corpus.spec}...") as status:
+        for chunk in _chunks(corpus.documents(), _ENCODE_CHUNK):
+            for ids in _encode_documents(tokenizer, chunk):
+                pieces += [np.asarray(ids, dtype=dtype), eos]
+                n_tokens += len(ids) + 1
+            n_docs += len(chunk)
+            status.update(
+                f"Tokenizing {corpus.spec}: {n_docs} documents, {n_tokens / 1e6:.1f}M tokens"
+            )
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            np.save(f, tokens)
+
+    atomic_write(path, write)
+    console.print(
+        f"[meshlm] tokenized {corpus.spec}: {n_docs} documents, {n_tokens} tokens -> {path}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    return tokens
+
+
+class DataLoader:
+    """This process's share of every global batch, forever, deterministic given the seed.
+
+    Iterate it (`next(loader)` is the batch at `loader.step`, then the step advances), or ask for
+    any step with `batch(step)`. `state()` / `restore(state)` save and set the position.
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        tokenizer,
+        seq_len: int,
+        global_batch_size: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        *,
+        start_step: int = 0,
+        cache_dir: str | os.PathLike | None = None,
+        text_field: str = "text",
+    ):
+        if seq_len < 1 or global_batch_size < 1:
+            raise UsageError(
+                f"seq_len ({seq_len}) and global batch size ({global_batch_size}) must be >= 1"
+            )
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise UsageError(
+                f"process_index {process_index} is not in [0, process_count={process_count})"
+            )
+        if global_batch_size % process_count:
+            raise UsageError(
+                f"global batch size {global_batch_size} is not divisible by the {process_count} "
+                f"processes; use a multiple of {process_count}"
+            )
+        self.spec, self.tokenizer, self.seed, self.shuffle = spec, tokenizer, seed, shuffle
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.process_index, self.process_count = process_index, process_count
+        self.local_batch_size = global_batch_size // process_count
+        self.step = int(start_step)
+        self.synthetic = is_synthetic(spec)
+        self._perm_epoch, self._perm = -1, None
+        if self.synthetic:
+            self.tokens, self.num_rows, self.steps_per_epoch = None, None, None
+            return
+        self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
+        self.num_rows = max(len(self.tokens) - 1, 0) // seq_len
+        if self.num_rows < global_batch_size:
+            raise UsageError(
+                f"dataset {spec!r} has {len(self.tokens)} tokens: {self.num_rows} rows of seq_len "
+                f"{seq_len} + 1, fewer than the global batch of {global_batch_size}; use a smaller "
+                f"batch or seq_len, or a bigger dataset"
+            )
+        self.steps_per_epoch = self.num_rows // global_batch_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from (always 0 for synthetic data)."""
+        return self.step // self.steps_per_epoch if self.steps_per_epoch else 0
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch `step`: a dict of `[local_batch, seq_len]` arrays."""
+        first = self.process_index * self.local_batch_size
+        global_rows = np.arange(first, first + self.local_batch_size)
+        if self.synthetic:
+            return self._synthetic_batch(step, global_rows)
+        epoch, k = divmod(step, self.steps_per_epoch)
+        row_ids = self._permutation(epoch)[k * self.global_batch_size + global_rows]
+        T = self.seq_len
+        rows = np.stack([self.tokens[r * T : r * T + T + 1] for r in row_ids])
+        return pack_rows(rows, self.tokenizer.eos_id)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = (
+                rng.permutation(self.num_rows) if self.shuffle else np.arange(self.num_rows)
+            )
+            self._perm_epoch = epoch
+        return self._perm
+
+    def _synthetic_batch(self, step: int, global_rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Uniform random tokens; each row seeded by (seed, step, global row) alone."""
+        T, V = self.seq_len, self.tokenizer.vocab_size
+        rows = np.stack(
+            [
+                np.random.default_rng([self.seed, step, int(g)]).integers(
+                    0, V, T + 1, dtype=np.int32
+                )
+                for g in global_rows
+            ]
+        )
+        shape = (len(global_rows), T)
+        return {
+            "inputs": rows[:, :-1].copy(),
+            "targets": rows[:, 1:].copy(),
+            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), shape).copy(),
+            "segment_ids": np.ones(shape, np.int32),
+            "loss_mask": np.ones(shape, np.float32),
+        }
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+    def state(self) -> dict[str, int]:
+        """The data position, to store in a checkpoint: the step of the next batch, and the
+        epoch, seed and row count for checking."""
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "rows": self.num_rows or 0,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue from a `state()`: the next batch is the one a fresh loader gives at its step."""
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise UsageError(
+                f"the checkpoint's data seed is {state['seed']} but this run's is {self.seed}; "
+                f"resume with seed {state['seed']}"
+            )
+        if int(state.get("rows", self.num_rows or 0)) != (self.num_rows or 0):
+            raise UsageError(
+                f"the checkpoint was trained on {state['rows']} rows of data but {self.spec!r} "
+                f"gives {self.num_rows}; resume with the same dataset, tokenizer and seq_len"
+            )
+        self.step = int(state["step"])
+
+    def __repr__(self) -> str:
+        return (
+            f"DataLoader({self.spec!r}, seq_len={self.seq_len}, batch={self.local_batch_size}/"
+            f"{self.global_batch_size}, process={self.process_index}/{self.process_count}, "
+            f"rows={self.num_rows}, step={self.step})"
+        )
+
+
+def make_loader(
+    dataset: str,
+    tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    seed: int = 0,
+    *,
+    shuffle: bool = True,
+    start_step: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    text_field: str = "text",
+) -> DataLoader:
+    """A `DataLoader` for a `--dataset` spec (`stdlib`, `synthetic`, a path or glob, `hf:NAME`)."""
+    return DataLoader(
+        dataset,
+        tokenizer,
+        seq_len,
+        global_batch_size,
+        process_index,
+        process_count,
+        seed,
+        shuffle,
+        start_step=start_step,
+        cache_dir=cache_dir,
+        text_field=text_field,
+    )
+
+
+def _encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of documents; with a `Tokenizer`, special-token text such as "<|endoftext|>"
+    inside a document stays text, so eos ids mark only real document ends."""
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch(texts, special_as_text=True)
+    return [tokenizer.encode(t) for t in texts]  # any object with encode(str), eos_id, vocab_size
+
+
+def _chunks(items, size: int):
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -1,0 +1,201 @@
+"""The physical mesh: parse `--mesh_dim` / `--mp_mesh_dim`, fill `-1`, validate, build the `jax.sharding.Mesh`.
+
+Four axes, always in this order:
+
+    dp    data parallelism: batch split, weights replicated
+    fsdp  fully sharded data parallelism (ZeRO-3): batch split, weights/grads/optimizer state sharded
+    tp    tensor parallelism: heads, MLP hidden and vocab split
+    sp    sequence parallelism: sequence split, attention runs as RingAttention
+
+Everything here is plain Python until `build_mesh`, so flags are checked before JAX compiles anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from meshlm.errors import UsageError
+
+AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "sp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the four mesh axes. `str(shape)` is the `--mesh_dim` that reproduces it."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    sp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.dp, self.fsdp, self.tp, self.sp)
+
+    @property
+    def n_devices(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def data(self) -> int:
+        """How many ways the batch is split (dp × fsdp)."""
+        return self.dp * self.fsdp
+
+    def __str__(self) -> str:
+        return ",".join(str(s) for s in self.sizes)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(AXES, self.sizes))
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise UsageError(f"{what}: {text.strip()!r} is not an integer; use positive integers and at most one -1") from None
+    if value == 0 or value < -1:
+        raise UsageError(f"{what}: {value} is not a valid axis size; use positive integers and at most one -1")
+    return value
+
+
+def _fill(sizes: list[int], n_devices: int, flag: str) -> list[int]:
+    """Replace the one `-1` so the product equals the device count; check the product."""
+    if sizes.count(-1) > 1:
+        raise UsageError(f"{flag}: only one axis may be -1 (it is inferred from the {n_devices} devices)")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise UsageError(
+                f"{flag}: the other axes multiply to {known}, which does not divide the {n_devices} devices"
+            )
+        sizes = [n_devices // known if s == -1 else s for s in sizes]
+    elif known != n_devices:
+        raise UsageError(
+            f"{flag}: the axes multiply to {known} but there are {n_devices} devices; "
+            f"make the product {n_devices} or use -1 for one axis (or --devices={known} on CPU)"
+        )
+    return sizes
+
+
+def parse_mesh_dim(text: str, n_devices: int) -> MeshShape:
+    """`'1,64,4,1'` (dp,fsdp,tp,sp) or `'fsdp:-1,tp:2'` (named; unnamed axes are 1)."""
+    flag = f"--mesh_dim={text}"
+    parts = [p for p in text.replace(" ", "").split(",")]
+    if not text.strip() or any(p == "" for p in parts):
+        raise UsageError(f"{flag}: give four comma-separated sizes dp,fsdp,tp,sp such as 1,8,1,1, or fsdp:-1,tp:2")
+    if any(":" in p for p in parts):
+        sizes = dict.fromkeys(AXES, 1)
+        seen = set()
+        for part in parts:
+            name, sep, value = part.partition(":")
+            if not sep:
+                raise UsageError(f"{flag}: mix of named and positional entries; write every entry as axis:size")
+            if name not in AXES:
+                raise UsageError(f"{flag}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
+            if name in seen:
+                raise UsageError(f"{flag}: axis {name!r} is given twice")
+            seen.add(name)
+            sizes[name] = _parse_int(value, flag)
+        values = list(sizes.values())
+    else:
+        if len(parts) != len(AXES):
+            raise UsageError(
+                f"{flag}: expected 4 sizes dp,fsdp,tp,sp, got {len(parts)}; e.g. --mesh_dim=1,{n_devices},1,1"
+            )
+        values = [_parse_int(p, flag) for p in parts]
+    return MeshShape(*_fill(values, n_devices, flag))
+
+
+def parse_mp_mesh_dim(text: str, n_devices: int, fsdp: bool = False) -> MeshShape:
+    """EasyLM's interface: `--mp_mesh_dim=tp,sp`; the data axis is inferred, and `--fsdp` makes it fsdp."""
+    flag = f"--mp_mesh_dim={text}"
+    parts = text.replace(" ", "").split(",")
+    if len(parts) != 2:
+        raise UsageError(f"{flag}: expected 2 model-parallel sizes tp,sp such as 8,1")
+    tp, sp = (_parse_int(p, flag) for p in parts)
+    if -1 in (tp, sp):  # -1: that axis takes every device the other leaves, so no data parallelism
+        tp, sp = _fill([tp, sp], n_devices, flag)
+    model = tp * sp
+    if n_devices % model:
+        raise UsageError(f"{flag}: tp×sp = {model} does not divide the {n_devices} devices")
+    data = n_devices // model
+    return MeshShape(dp=1, fsdp=data, tp=tp, sp=sp) if fsdp else MeshShape(dp=data, fsdp=1, tp=tp, sp=sp)
+
+
+def resolve_mesh_shape(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, n_devices: int) -> MeshShape:
+    """What the flags mean together. Default: everything on fsdp (the usual best choice)."""
+    if mesh_dim and mp_mesh_dim:
+        raise UsageError("--mesh_dim and --mp_mesh_dim both given; use one (--mesh_dim=dp,fsdp,tp,sp is the full form)")
+    if mp_mesh_dim:
+        return parse_mp_mesh_dim(mp_mesh_dim, n_devices, fsdp)
+    if fsdp and mesh_dim:
+        raise UsageError("--fsdp goes with --mp_mesh_dim; with --mesh_dim put the size in the fsdp entry instead")
+    return parse_mesh_dim(mesh_dim or "1,-1,1,1", n_devices)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def all_mesh_shapes(n_devices: int) -> list[MeshShape]:
+    """Every way of writing n_devices as dp × fsdp × tp × sp."""
+    out = []
+    for dp, fsdp, tp in itertools.product(_divisors(n_devices), repeat=3):
+        if n_devices % (dp * fsdp * tp) == 0:
+            out.append(MeshShape(dp, fsdp, tp, n_devices // (dp * fsdp * tp)))
+    return out
+
+
+def check_shape_fits(
+    shape: MeshShape,
+    *,
+    batch_size: int,
+    seq_len: int,
+    n_heads: int,
+    n_kv_heads: int,
+    mlp_dim: int,
+    vocab_size: int,
+    seq_block: int = 1,
+) -> str | None:
+    """The first reason this mesh cannot run the job, or None. `seq_block`: the attention block per sp rank."""
+    if batch_size < shape.data or batch_size % shape.data:
+        return (
+            f"global batch size {batch_size} is {'smaller than' if batch_size < shape.data else 'not divisible by'} "
+            f"dp×fsdp = {shape.data}"
+        )
+    if seq_len % (shape.sp * seq_block):
+        what = f"sp×block = {shape.sp}×{seq_block}" if seq_block > 1 else f"sp = {shape.sp}"
+        return f"seq_len {seq_len} is not divisible by {what}"
+    for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("mlp_dim", mlp_dim), ("vocab_size", vocab_size)):
+        if value % shape.tp:
+            return f"{name} = {value} is not divisible by tp = {shape.tp}"
+    return None
+
+
+def validate_mesh_shape(shape: MeshShape, **job) -> None:
+    """Raise a one-line UsageError naming meshes that would work, if this one cannot run the job."""
+    problem = check_shape_fits(shape, **job)
+    if problem is None:
+        return
+    working = [s for s in all_mesh_shapes(shape.n_devices) if check_shape_fits(s, **job) is None]
+    # Prefer large fsdp (the usual best), then tp, then sp: the order users should try them in.
+    working.sort(key=lambda s: (-s.fsdp, -s.tp, s.sp, s.dp))
+    hint = (
+        "meshes that work on these " + f"{shape.n_devices} devices: " + ", ".join(f"--mesh_dim={s}" for s in working[:4])
+        if working
+        else "no mesh of these devices fits; change the batch size, seq_len or model shape"
+    )
+    raise UsageError(f"--mesh_dim={shape}: {problem}; {hint}")
+
+
+def build_mesh(shape: MeshShape, devices=None):
+    """The JAX mesh with axes (dp, fsdp, tp, sp), Auto axis types so XLA propagates shardings."""
+    import jax
+    from jax.sharding import AxisType
+
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) != shape.n_devices:
+        raise UsageError(f"--mesh_dim={shape} needs {shape.n_devices} devices but {len(devices)} are available")
+    return jax.make_mesh(shape.sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)

@@ -1,0 +1,187 @@
+"""The LLaMA-family decoder in Flax NNX: math only.
+
+Every parameter names the logical axes of its dimensions (`out_sharding=("embed", "mlp")`); activations
+are pinned with `sharding.constrain(x, (...logical axes...))` at the key operators. Nothing here knows
+mesh axis names: `meshlm.sharding` maps the logical names onto the mesh.
+
+Shapes: B batch, T length, E d_model, H query heads, K kv heads, D head_dim, M mlp_dim, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshlm import sharding
+from meshlm.errors import UsageError
+from meshlm.models.configs import ModelConfig, RopeScaling
+
+REMAT_POLICIES = {
+    "none": None,  # keep every activation: fastest, most memory
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs only
+    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out"),
+}
+
+
+def _param(rngs: nnx.Rngs, shape, logical, std: float, dtype) -> nnx.Param:
+    init = nnx.initializers.normal(std) if std > 0 else nnx.initializers.ones
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=logical)
+
+
+# ------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [D/2], with Llama-3 scaling: long wavelengths slowed by `factor`, short kept."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv.astype(np.float32)
+    old = scaling.original_max_position_embeddings
+    wavelen = 2 * np.pi / inv
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    out = np.where(wavelen > low_wavelen, inv / scaling.factor, np.where(wavelen < high_wavelen, inv, blended))
+    return out.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate [B, T, N, D] by position, halves convention (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = _param(rngs, (cfg.d_model,), ("embed",), 0.0, cfg.param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE; RingAttention over the sequence axis when it is sharded."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        E, H, K, D, std, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std, cfg.param_dtype
+        self.cfg = cfg
+        self.wq = _param(rngs, (E, H, D), ("embed", "heads", "head_dim"), std, pd)
+        self.wk = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), std, pd)
+        self.wv = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), std, pd)
+        self.wo = _param(rngs, (H, D, E), ("heads", "head_dim", "embed"), std, pd)
+
+    def __call__(self, x, positions, segment_ids):
+        dt, cfg = x.dtype, self.cfg
+        inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # a trace-time constant
+        q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
+        k = jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt))
+        v = jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt))
+        q = sharding.constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "heads", "head_dim"))
+        k = sharding.constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
+        v = sharding.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))
+        out = attend(q, k, v, positions, segment_ids)
+        out = checkpoint_name(sharding.constrain(out, ("batch", "length", "heads", "head_dim")), "attn_out")
+        return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt))
+
+
+def attend(q, k, v, positions, segment_ids):
+    """Causal attention: RingAttention when `length` is sharded, blockwise (flash) when long, else dense."""
+    from meshlm.ops import attention as ops
+
+    ring = sharding.ring_spec()
+    kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    if ring is not None:
+        from meshlm.ops.ring import ring_attention
+
+        return ring_attention(
+            q, k, v, **kw, mesh=ring.mesh, axis_name=ring.axis_name, qkv_spec=ring.qkv_spec, seq_spec=ring.seq_spec
+        )
+    T = q.shape[1]
+    if T >= 1024 and hasattr(ops, "blockwise_attention") and T % 512 == 0:
+        return ops.blockwise_attention(q, k, v, **kw)
+    return ops.dot_product_attention(q, k, v, **kw)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        E, M, std, pd = cfg.d_model, cfg.mlp_dim, cfg.init_std, cfg.param_dtype
+        self.gate = _param(rngs, (E, M), ("embed", "mlp"), std, pd)
+        self.up = _param(rngs, (E, M), ("embed", "mlp"), std, pd)
+        self.down = _param(rngs, (M, E), ("mlp", "embed"), std, pd)
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+        h = sharding.constrain(h, ("batch", "length", "mlp"))
+        return h @ self.down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return sharding.constrain(x, ("batch", "length", "embed"))
+
+
+class Llama(nnx.Module):
+    """Token ids [B, T] -> float32 logits [B, T, V]. Layers are stacked on a leading `layers` axis and scanned."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        if cfg.remat not in REMAT_POLICIES:
+            raise UsageError(f"--remat={cfg.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, cfg.param_dtype)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs):
+            return Block(cfg, rngs)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, cfg.param_dtype)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = sharding.constrain(x, ("batch", "length", "embed"))
+
+        def layer(x, block, positions, segment_ids):
+            return block(x, positions, segment_ids)
+
+        policy = REMAT_POLICIES[cfg.remat]
+        if cfg.remat != "none":
+            layer = nnx.remat(layer, policy=policy, prevent_cse=False)
+        scan = nnx.scan(layer, in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry,
+                        transform_metadata={nnx.PARTITION_NAME: "layers"})
+        x = scan(x, self.layers, positions, segment_ids)
+
+        x = self.final_norm(x)
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        return sharding.constrain(logits, ("batch", "length", "vocab"))

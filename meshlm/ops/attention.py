@@ -1,0 +1,396 @@
+"""Dot-product attention: the plain reference and a blockwise (flash-style) kernel.
+
+Shapes, shared by every function here and by `meshlm.ops.ring`:
+
+    q            [B, T, H, D]      queries
+    k, v         [B, S, KVH, D]    keys and values, H % KVH == 0 (grouped-query attention)
+    q_positions  [B, T] int32      absolute position of each query token
+    kv_positions [B, S] int32      absolute position of each key token; < 0 marks an empty slot
+    *_segment_ids [B, T] / [B, S]  int32 document ids of packed sequences, or None
+    output       [B, T, H, D]      in q's dtype
+
+A query may attend a key iff
+
+    kv_position >= 0                                   (the key slot holds a token)
+    and kv_position <= q_position        (if causal)   (no looking ahead)
+    and q_segment_id == kv_segment_id    (if given)    (no attending across documents)
+
+Masks are built from the positions, never from array indices, so the same code serves training
+(positions 0..T-1, possibly reordered for ring load balancing), decoding with a KV cache (T=1,
+unused cache slots at position -1) and packed sequences. A query with no key to attend (e.g. a
+padding token) gets an output of zeros and zero gradients.
+
+Softmax runs in float32 with scale 1/sqrt(D). Grouped-query attention never copies k/v to H
+heads: queries are viewed as [B, KVH, G, T, D] with G = H // KVH query heads per kv head.
+
+`blockwise_attention` is the memory-efficient path. Its building blocks `forward_chunk` and
+`backward_chunk` fold one chunk of keys/values into a running online-softmax state (forward) or
+into gradient accumulators (backward); `meshlm.ops.ring` calls the same two functions once per
+ring step with the chunk that has just arrived from the neighbouring device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+_F32 = jnp.float32
+_INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks and masks
+# --------------------------------------------------------------------------------------------
+
+
+def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids) -> None:
+    """Raise ValueError for shapes that do not fit together (see the module docstring)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+    b, t, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k/v {k.shape} do not match q {q.shape} in batch or head dim")
+    if h % k.shape[2]:
+        raise ValueError(f"query heads {h} are not a multiple of kv heads {k.shape[2]}")
+    if q_positions.shape != (b, t) or kv_positions.shape != (b, k.shape[1]):
+        raise ValueError(
+            f"positions must be [B, T] and [B, S]; got {q_positions.shape}, {kv_positions.shape}"
+        )
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("give both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None and (
+        q_segment_ids.shape != q_positions.shape or kv_segment_ids.shape != kv_positions.shape
+    ):
+        raise ValueError("segment ids must have the shapes of the positions")
+
+
+def attention_mask(q_pos, kv_pos, q_seg, kv_seg, causal: bool) -> Array:
+    """[B, tq], [B, tk] -> bool [B, tq, tk], True where the query may attend the key."""
+    mask = (kv_pos >= 0)[:, None, :]
+    if causal:
+        mask = mask & (kv_pos[:, None, :] <= q_pos[:, :, None])
+    if q_seg is not None:
+        mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+    return mask
+
+
+def block_may_attend(q_pos, kv_pos, q_seg, kv_seg, causal: bool) -> Array:
+    """Scalar bool: False only if *every* (query, key) pair of the block is masked.
+
+    Compares ranges, so it costs O(tq + tk) rather than O(tq * tk). It may answer True for a
+    block that turns out to be fully masked (then the block is computed and masked as usual),
+    but never False for a block with a pair to attend. The whole batch shares one answer.
+    """
+    valid = kv_pos >= 0
+    ok = jnp.any(valid, axis=-1)  # [B]: some key slot holds a token
+    if causal:
+        first_key = jnp.min(jnp.where(valid, kv_pos, _INT_MAX), axis=-1)
+        ok = ok & (first_key <= jnp.max(q_pos, axis=-1))
+    if q_seg is not None:  # the id ranges overlap
+        ok = ok & (jnp.min(q_seg, axis=-1) <= jnp.max(kv_seg, axis=-1))
+        ok = ok & (jnp.min(kv_seg, axis=-1) <= jnp.max(q_seg, axis=-1))
+    return jnp.any(ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel layout: heads before length, queries grouped by their kv head
+# --------------------------------------------------------------------------------------------
+
+
+def to_kernel_layout(q, k, v):
+    """[B,T,H,D] -> q [B,KVH,G,T,D]; [B,S,KVH,D] -> k, v [B,KVH,S,D].
+
+    With heads ahead of length, each block product is a plain batched matmul over (B, KVH).
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def from_kernel_layout(out):
+    """[B,KVH,G,T,D] -> [B,T,H,D]."""
+    b, kvh, g, t, d = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * g, d)
+
+
+def _scores(q_blk, k_blk):
+    """[B,KVH,G,tq,D] x [B,KVH,tk,D] -> float32 scores [B,KVH,G,tq,tk], scaled by 1/sqrt(D)."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=_F32)
+    return s * (1.0 / math.sqrt(q_blk.shape[-1]))
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _update(x, blk, start, axis):
+    return lax.dynamic_update_slice_in_dim(x, blk, start, axis=axis)
+
+
+def _slice_opt(x, start, size, axis):
+    return None if x is None else _slice(x, start, size, axis)
+
+
+def block_sizes(t: int, s: int, block_q: int, block_kv: int) -> tuple[int, int]:
+    """Clamp the block sizes to the lengths; raise ValueError if they do not divide them."""
+    bq, bk = min(block_q, t), min(block_kv, s)
+    if bq <= 0 or bk <= 0 or t % bq or s % bk:
+        raise ValueError(
+            f"query length {t} / key length {s} must be divisible by the block sizes "
+            f"{bq} / {bk} (block_q={block_q}, block_kv={block_kv})"
+        )
+    return bq, bk
+
+
+# --------------------------------------------------------------------------------------------
+# Forward: fold a chunk of keys/values into the online-softmax state
+# --------------------------------------------------------------------------------------------
+
+
+class SoftmaxState(NamedTuple):
+    """Running online-softmax state of every query (kernel layout, float32).
+
+    acc [B,KVH,G,T,D]: sum_k exp(s_k - m) v_k;  m [B,KVH,G,T]: running row max of the scores
+    (-inf while nothing was attended);  l [B,KVH,G,T]: sum_k exp(s_k - m).
+    """
+
+    acc: Array
+    m: Array
+    l: Array
+
+
+def init_state(q) -> SoftmaxState:
+    """Empty state for kernel-layout queries q [B,KVH,G,T,D].
+
+    Built with `zeros_like(q)` so that, inside `shard_map`, the state varies over the same mesh
+    axes as q (loop carries must keep their type).
+    """
+    acc = jnp.zeros_like(q, dtype=_F32)
+    m = jnp.full_like(acc[..., 0], -jnp.inf)
+    return SoftmaxState(acc, m, jnp.zeros_like(m))
+
+
+def finalize_state(state: SoftmaxState, dtype):
+    """-> (out [B,KVH,G,T,D] in dtype, lse [B,KVH,G,T] float32; -inf where nothing attended)."""
+    seen = state.l > 0
+    out = state.acc / jnp.where(seen, state.l, 1.0)[..., None]
+    lse = jnp.where(seen, state.m + jnp.log(jnp.where(seen, state.l, 1.0)), -jnp.inf)
+    return out.astype(dtype), lse
+
+
+def _online_softmax_step(state: SoftmaxState, s, v_blk) -> SoftmaxState:
+    """Fold masked scores s [B,KVH,G,tq,tk] (-inf = masked) and values into a block's state."""
+    m_new = jnp.maximum(state.m, jnp.max(s, axis=-1))
+    # A row that has seen only masked keys keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    rescale = jnp.exp(state.m - m_safe)  # how much the old running sums shrink
+    l = state.l * rescale + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32)
+    acc = state.acc * rescale[..., None] + pv
+    return SoftmaxState(acc, m_new, l)
+
+
+def forward_chunk(
+    state: SoftmaxState,
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg,
+    *, causal: bool, block_q: int, block_kv: int,
+) -> SoftmaxState:  # fmt: skip
+    """Attend all queries to one chunk of keys/values, updating the online-softmax state.
+
+    Kernel layout: q [B,KVH,G,T,D], k/v [B,KVH,S,D], positions/segments [B,T] / [B,S]. Loops
+    over query blocks and, inside, key blocks; a (query block, key block) pair whose mask is
+    all False is skipped by `lax.cond` (decided from position ranges, so the order of tokens
+    does not matter). Peak extra memory is one [B,KVH,G,block_q,block_kv] score block.
+    """
+    t, s = q.shape[3], k.shape[2]
+    bq, bk = block_sizes(t, s, block_q, block_kv)
+
+    def per_query_block(i, state):
+        q0 = i * bq
+        q_blk = _slice(q, q0, bq, 3)
+        qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
+        blk_state = SoftmaxState(*(_slice(x, q0, bq, 3) for x in state))
+
+        def per_key_block(j, blk_state):
+            k0 = j * bk
+            kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
+
+            def attend(blk_state):
+                scores = _scores(q_blk, _slice(k, k0, bk, 2))
+                mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
+                scores = jnp.where(mask, scores, -jnp.inf)
+                return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 2))
+
+            needed = block_may_attend(qp, kp, qs, ks, causal)
+            return lax.cond(needed, attend, lambda st: st, blk_state)
+
+        blk_state = lax.fori_loop(0, s // bk, per_key_block, blk_state)
+        return SoftmaxState(*(_update(x, b, q0, 3) for x, b in zip(state, blk_state)))
+
+    return lax.fori_loop(0, t // bq, per_query_block, state)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: gradients from one chunk of keys/values, scores recomputed blockwise
+# --------------------------------------------------------------------------------------------
+
+
+def backward_chunk(
+    dq,
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta,
+    *, causal: bool, block_q: int, block_kv: int,
+):  # fmt: skip
+    """Gradients of the attention of all queries to one chunk of keys/values.
+
+    Kernel layout as in `forward_chunk`; dout [B,KVH,G,T,D] is the output cotangent,
+    lse [B,KVH,G,T] the log-sum-exp of each query's scores over *all* keys (from the forward
+    pass) and delta = sum(dout * out, -1). With p = exp(s - lse) the exact softmax
+    probabilities are recovered block by block, so nothing of size T x S is ever stored:
+
+        dv += p^T dout      dp = dout v^T      ds = p * (dp - delta)
+        dq += ds k / sqrt(D)                   dk += ds^T q / sqrt(D)
+
+    dq (float32, all queries) is accumulated in place and returned; dk, dv (float32,
+    [B,KVH,S,D]) are this chunk's contributions. Fully masked pairs of blocks are skipped.
+    """
+    t, s = q.shape[3], k.shape[2]
+    bq, bk = block_sizes(t, s, block_q, block_kv)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def per_key_block(j, carry):
+        dq, dk, dv = carry
+        k0 = j * bk
+        k_blk, v_blk = _slice(k, k0, bk, 2), _slice(v, k0, bk, 2)
+        kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
+
+        def per_query_block(i, carry):
+            dq, dk_blk, dv_blk = carry
+            q0 = i * bq
+            qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
+
+            def attend(carry):
+                dq, dk_blk, dv_blk = carry
+                q_blk, do_blk = _slice(q, q0, bq, 3), _slice(dout, q0, bq, 3)
+                lse_blk, delta_blk = _slice(lse, q0, bq, 3), _slice(delta, q0, bq, 3)
+                mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
+                # Masked entries (and rows with lse = -inf, which are fully masked) give p = 0.
+                p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk) - lse_blk[..., None]), 0.0)
+                dv_blk += jnp.einsum(
+                    "bhgqk,bhgqd->bhkd", p.astype(do_blk.dtype), do_blk, preferred_element_type=_F32
+                )
+                dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk, preferred_element_type=_F32)
+                ds = (p * (dp - delta_blk[..., None]) * scale).astype(q.dtype)
+                dq_blk = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk, preferred_element_type=_F32)
+                dq = _update(dq, _slice(dq, q0, bq, 3) + dq_blk, q0, 3)
+                dk_blk += jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_blk, preferred_element_type=_F32)
+                return dq, dk_blk, dv_blk
+
+            needed = block_may_attend(qp, kp, qs, ks, causal)
+            return lax.cond(needed, attend, lambda c: c, (dq, dk_blk, dv_blk))
+
+        zeros = jnp.zeros_like(k_blk, dtype=_F32)
+        dq, dk_blk, dv_blk = lax.fori_loop(0, t // bq, per_query_block, (dq, zeros, zeros))
+        return dq, _update(dk, dk_blk, k0, 2), _update(dv, dv_blk, k0, 2)
+
+    dk = jnp.zeros_like(k, dtype=_F32)
+    return lax.fori_loop(0, s // bk, per_key_block, (dq, dk, jnp.zeros_like(dk)))
+
+
+def output_delta(out, dout):
+    """delta = rowsum(dout * out) in float32, the softmax term of the backward pass."""
+    return jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def dot_product_attention(
+    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True
+):
+    """Plain attention that materialises the [T, S] score matrix: the reference, and the decode
+    path (T=1 against a KV cache whose empty slots have kv_positions < 0).
+
+    See the module docstring for shapes and the masking rule. Differentiable by ordinary autodiff.
+    """
+    check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    qk, kk, vk = to_kernel_layout(q, k, v)
+    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal)
+    scores = jnp.where(mask[:, None, None], _scores(qk, kk), -jnp.inf)
+    m = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m))  # masked -> exactly 0
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)  # a row with nothing to attend stays all 0
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vk.dtype), vk, preferred_element_type=_F32)
+    return from_kernel_layout(out).astype(q.dtype)
+
+
+class _Blocks(NamedTuple):
+    """Static settings of the blockwise kernel (hashable: a `custom_vjp` nondiff argument)."""
+
+    causal: bool
+    block_q: int
+    block_kv: int
+
+
+def _blockwise_forward(cfg: _Blocks, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    state = forward_chunk(init_state(q), q, k, v, q_pos, kv_pos, q_seg, kv_seg, **cfg._asdict())
+    return finalize_state(state, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise(cfg: _Blocks, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    return _blockwise_forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)[0]
+
+
+def _blockwise_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    out, lse = _blockwise_forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    # Residuals are O(T): the inputs, the output and one log-sum-exp per query row.
+    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _blockwise_bwd(cfg, residuals, dout):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    dq, dk, dv = backward_chunk(
+        jnp.zeros_like(q, dtype=_F32), q, k, v, q_pos, kv_pos, q_seg, kv_seg,
+        dout, lse, output_delta(out, dout), **cfg._asdict(),
+    )  # fmt: skip
+    # Positions and segment ids are integers: no cotangent.
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_attention(
+    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
+    causal=True, block_q=512, block_kv=512,
+):  # fmt: skip
+    """Flash-style attention: online softmax over key blocks, never a [T, S] matrix.
+
+    Same inputs, masking and result as `dot_product_attention` (module docstring). Block sizes
+    are clamped to T / S; T and S must then be divisible by them (ValueError otherwise).
+    Fully masked (query block, key block) pairs, e.g. above the causal diagonal, are skipped.
+    The gradient is a `custom_vjp` that recomputes the scores block by block from the saved
+    log-sum-exp, so forward + backward memory is linear in T.
+    """
+    check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    bq, bk = block_sizes(q.shape[1], k.shape[1], block_q, block_kv)
+    qk, kk, vk = to_kernel_layout(q, k, v)
+    out = _blockwise(
+        _Blocks(bool(causal), bq, bk), qk, kk, vk,
+        q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+    )  # fmt: skip
+    return from_kernel_layout(out)

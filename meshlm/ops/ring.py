@@ -1,0 +1,240 @@
+"""RingAttention: exact attention over a sequence sharded across the `sp` mesh axis.
+
+The idea in one paragraph. Each of the sp devices on the ring holds one shard of the sequence:
+its queries and its keys/values. Queries never move. Keys and values (with their positions and
+segment ids) travel around the ring: at step i, device r holds the kv shard that started on
+device r - i, attends its queries to it with the blockwise kernel of `meshlm.ops.attention`,
+and folds the result into a running online softmax. After sp steps every query has seen every
+key, and the result is exactly full attention; no device ever holds more than two kv shards
+(the one it computes with and the one arriving) and no score matrix larger than one block.
+
+    step 0:  dev0 [q0|kv0]   dev1 [q1|kv1]   dev2 [q2|kv2]   dev3 [q3|kv3]
+    step 1:  dev0 [q0|kv3]   dev1 [q1|kv0]   dev2 [q2|kv1]   dev3 [q3|kv2]     kv: r -> r+1
+    ...
+
+Overlap. Each step first *issues* the `ppermute` that sends the current kv shard on to the next
+device, then computes with the current shard. The two are independent, so XLA may run the
+transfer while the block is being computed.
+
+Backward (a `custom_vjp`). The forward pass saves only its inputs, its output and one
+log-sum-exp per query (all O(T / sp) per device). The backward pass sends k, v around the ring
+again; with them travel dk, dv accumulators: every device adds the gradient contribution of its
+queries to the kv shard it is holding, and after a full turn each accumulator has collected all
+sp contributions and is sent one last hop home. dq stays local.
+
+Causal load balancing. With contiguous shards, device 0 holds the first tokens and has almost
+nothing to attend while device sp-1 attends to everything. `zigzag_permutation` reorders the
+sequence so device r holds chunks r and 2*sp-1-r of 2*sp equal chunks: every device then does
+the same amount of work at every step. The kernel relies only on the positions it is given, so
+any order works; it skips (query block, key block) pairs whose position ranges show that they
+are fully masked. Under zigzag the local shard is split into blocks no larger than one chunk,
+so exactly half of the off-diagonal blocks are skipped on every device.
+
+Composition. `ring_attention` is called on global arrays under `jit`; it wraps the per-shard
+ring in `jax.shard_map` with the caller's partition specs, so batch and heads may be sharded
+over other mesh axes (dp, fsdp, tp) at the same time. Only `axis_name` is used for
+communication. Grouped-query attention rotates the KVH kv heads, never copies expanded to H.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from meshlm.ops import attention as attn
+
+# --------------------------------------------------------------------------------------------
+# Load balancing for causal attention
+# --------------------------------------------------------------------------------------------
+
+
+def zigzag_permutation(seq_len: int, sp: int) -> np.ndarray:
+    """Token order that balances causal attention over sp contiguous shards.
+
+    The sequence is cut into 2*sp equal chunks; shard r receives chunks r and 2*sp-1-r, so each
+    shard pairs an early (cheap) chunk with a late (expensive) one. Use as `x[:, perm]` on
+    tokens, positions, segment ids and targets; undo with `inverse_permutation(perm)`.
+
+    >>> zigzag_permutation(8, 2)
+    array([0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    if sp < 1 or seq_len % (2 * sp):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2 * sp = {2 * sp}")
+    chunks = np.arange(seq_len).reshape(2 * sp, seq_len // (2 * sp))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * sp - 1 - r]]) for r in range(sp)])
+
+
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """The permutation that undoes `perm`: `x[:, perm][:, inverse_permutation(perm)] == x`."""
+    perm = np.asarray(perm)
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inverse
+
+
+# --------------------------------------------------------------------------------------------
+# The per-device ring (runs inside shard_map; arrays are the local shards, kernel layout)
+# --------------------------------------------------------------------------------------------
+
+
+class _Ring(NamedTuple):
+    """Static settings of the ring (hashable: a `custom_vjp` nondiff argument)."""
+
+    axis_name: str
+    axis_size: int
+    causal: bool
+    block_q: int
+    block_kv: int
+
+    def blocks(self) -> dict:
+        return dict(causal=self.causal, block_q=self.block_q, block_kv=self.block_kv)
+
+
+def _send_to_next(tree, ring: _Ring):
+    """Pass a pytree of local arrays one step around the ring: device r -> device r + 1."""
+    if ring.axis_size == 1:
+        return tree
+    n = ring.axis_size
+    return lax.ppermute(tree, ring.axis_name, perm=[(r, (r + 1) % n) for r in range(n)])
+
+
+def _ring_forward(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    """Forward ring: -> (out [B,KVH,G,T,D], lse [B,KVH,G,T])."""
+
+    def step(_, carry):
+        state, kv = carry
+        next_kv = _send_to_next(kv, ring)  # issued before the compute it overlaps with
+        k_i, v_i, kv_pos_i, kv_seg_i = kv
+        state = attn.forward_chunk(
+            state, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, **ring.blocks()
+        )
+        return state, next_kv
+
+    # The same loop body every step keeps compile time independent of sp; the price is that the
+    # last step also sends its shard on (back home), a transfer nobody uses.
+    init = (attn.init_state(q), (k, v, kv_pos, kv_seg))
+    state, _ = lax.fori_loop(0, ring.axis_size, step, init)
+    return attn.finalize_state(state, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    return _ring_forward(ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg)[0]
+
+
+def _ring_attention_fwd(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    out, lse = _ring_forward(ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _ring_attention_bwd(ring: _Ring, residuals, dout):
+    """Backward ring: k, v travel as in the forward pass, trailed by their dk, dv accumulators.
+
+    Loop invariant at the start of step i on device r: `kv` is the shard from device r - i, and
+    `pending` holds the accumulated (dk, dv) of the shard device r computed with at step i - 1.
+    Sending `pending` on makes it arrive exactly where that shard is now (device r + 1), so each
+    accumulator rides one hop behind its shard; after the loop one more hop brings it home.
+    """
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    delta = attn.output_delta(out, dout)
+
+    def step(_, carry):
+        dq, kv, pending = carry
+        next_kv = _send_to_next(kv, ring)  # both transfers overlap with this step's compute
+        dk_acc, dv_acc = _send_to_next(pending, ring)
+        k_i, v_i, kv_pos_i, kv_seg_i = kv
+        dq, dk_i, dv_i = attn.backward_chunk(
+            dq, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, dout, lse, delta, **ring.blocks()
+        )
+        return dq, next_kv, (dk_acc + dk_i, dv_acc + dv_i)
+
+    # Accumulators are float32 (for bf16 inputs this doubles the dk/dv traffic, for accuracy).
+    zeros = jnp.zeros_like(k, dtype=jnp.float32)
+    init = (jnp.zeros_like(q, dtype=jnp.float32), (k, v, kv_pos, kv_seg), (zeros, zeros))
+    dq, _, pending = lax.fori_loop(0, ring.axis_size, step, init)
+    dk, dv = _send_to_next(pending, ring)  # the last hop home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point (global arrays)
+# --------------------------------------------------------------------------------------------
+
+
+def _axes(entry) -> tuple:
+    """Mesh axes named by one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def ring_block_size(requested: int, local_len: int, causal: bool) -> int:
+    """Block size used on a local shard of `local_len` tokens.
+
+    Clamped to the shard and, when causal, to half of it, so a zigzag shard (two chunks of
+    different positions) is split into at least two blocks and the masked half can be skipped.
+    """
+    block = min(requested, local_len)
+    if causal and local_len % 2 == 0 and block > local_len // 2:
+        block = local_len // 2
+    return block
+
+
+def ring_attention(
+    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
+    causal=True, mesh: Mesh, axis_name: str, qkv_spec: PartitionSpec, seq_spec: PartitionSpec,
+    block_q: int = 512, block_kv: int = 512,
+):  # fmt: skip
+    """Exact attention with the sequence sharded over mesh axis `axis_name` (RingAttention).
+
+    Arguments are global arrays (call under `jit`) with the shapes and masking rule of
+    `meshlm.ops.attention` (q [B,T,H,D], k/v [B,S,KVH,D], positions [B,T] / [B,S]).
+    `qkv_spec` is the PartitionSpec of q, k, v and the output, e.g.
+    P(('dp', 'fsdp'), 'sp', 'tp', None); `seq_spec` that of positions and segment ids, e.g.
+    P(('dp', 'fsdp'), 'sp'). Their length entries must name `axis_name`; other axes may shard
+    batch and heads freely. Tokens may be in any order (e.g. `zigzag_permutation`): masking
+    and block skipping use only the positions. Block sizes apply to the local shard (see
+    `ring_block_size`); the local lengths must be divisible by them (ValueError otherwise).
+    """
+    attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    qkv_spec, seq_spec = PartitionSpec(*qkv_spec), PartitionSpec(*seq_spec)
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {tuple(mesh.shape)}")
+    for name, spec in (("qkv_spec", qkv_spec), ("seq_spec", seq_spec)):
+        if len(spec) < 2 or _axes(spec[1]) != (axis_name,):
+            raise ValueError(f"{name}={spec} must shard the length (dim 1) over {axis_name!r} only")
+    sp = mesh.shape[axis_name]
+    t, s = q.shape[1], k.shape[1]
+    if t % sp or s % sp:
+        raise ValueError(f"lengths {t} / {s} are not divisible by {axis_name}={sp}")
+    local_t, local_s = t // sp, s // sp
+    ring = _Ring(
+        axis_name=axis_name,
+        axis_size=sp,
+        causal=bool(causal),
+        block_q=ring_block_size(block_q, local_t, causal),
+        block_kv=ring_block_size(block_kv, local_s, causal),
+    )
+    attn.block_sizes(local_t, local_s, ring.block_q, ring.block_kv)  # raises if they don't fit
+
+    def per_shard(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
+        qk, kk, vk = attn.to_kernel_layout(q, k, v)
+        out = _ring_attention(ring, qk, kk, vk, q_pos, kv_pos, q_seg, kv_seg)
+        return attn.from_kernel_layout(out)
+
+    args = [q, k, v, q_positions, kv_positions]
+    specs = [qkv_spec] * 3 + [seq_spec] * 2
+    if q_segment_ids is not None:
+        args += [q_segment_ids, kv_segment_ids]
+        specs += [seq_spec] * 2
+    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec)
+    return sharded(*args)

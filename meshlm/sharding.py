@@ -1,0 +1,205 @@
+"""Where logical axes live on the mesh. The only module that knows the mesh axis names.
+
+The model names what each dimension *means* (`batch`, `length`, `embed`, `heads`, `kv_heads`,
+`head_dim`, `mlp`, `vocab`, `layers`); a `Strategy` says where each meaning goes on the
+(dp, fsdp, tp, sp) mesh, with one table for parameters and one for activations (a weight's `embed`
+dimension is sharded for memory, an activation's is not). XLA propagates everything in between.
+
+    with sharding.activate(mesh, strategy):   # model code inside can call constrain() / ring_spec()
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshlm.errors import UsageError
+
+MeshAxes = str | tuple[str, ...] | None
+
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One sharding strategy: logical axis -> mesh axes, separately for parameters and activations."""
+
+    name: str
+    params: Mapping[str, MeshAxes]
+    activations: Mapping[str, MeshAxes]
+    doc: str = ""
+
+
+_MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None}
+
+DEFAULT = Strategy(
+    name="default",
+    # Weights: embed over fsdp (ZeRO-3) and sp (sequence-parallel ranks hold weight shards too).
+    params={"embed": ("fsdp", "sp"), **_MODEL_PARALLEL},
+    # Activations: batch over the data axes, sequence over sp, embed whole.
+    activations={"batch": ("dp", "fsdp"), "length": "sp", "embed": None, **_MODEL_PARALLEL},
+    doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
+)
+
+STRATEGIES: dict[str, Strategy] = {DEFAULT.name: DEFAULT}
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes], mesh: Mesh | None = None) -> P:
+    """Map logical axis names to a PartitionSpec. Mesh axes of size 1 are dropped (they shard nothing)."""
+    entries = []
+    used: set[str] = set()
+    for name in logical:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise UsageError(f"logical axis {name!r} has no entry in the sharding table; known: {', '.join(table)}")
+        axes = tuple(a for a in _as_tuple(table[name]) if mesh is None or mesh.shape[a] > 1)
+        if clash := used.intersection(axes):
+            raise UsageError(f"logical axes {tuple(logical)} put mesh axis {sorted(clash)[0]!r} on two dimensions")
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+def spec_divides(spec: P, shape: Sequence[int], mesh: Mesh) -> str | None:
+    """The first dimension that the spec's mesh axes do not divide, as a message, or None."""
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+        ways = math.prod(mesh.shape[a] for a in _as_tuple(axes))
+        if size % ways:
+            return f"dimension {dim} of size {size} is not divisible by {'×'.join(_as_tuple(axes))} = {ways}"
+    return None
+
+
+# --------------------------------------------------------------------------------------- parameters
+
+
+def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any | None = None) -> Any:
+    """Pytree of logical PartitionSpecs (from `nnx.get_partition_spec`) -> pytree of mesh PartitionSpecs."""
+
+    def one(path, logical, shape=None):
+        spec = logical_to_spec(tuple(logical), strategy.params, mesh)
+        if shape is not None and (problem := spec_divides(spec, shape, mesh)):
+            raise UsageError(f"parameter {jax.tree_util.keystr(path)} {tuple(shape)}: {problem}; choose another mesh_dim")
+        return spec
+
+    is_leaf = lambda x: isinstance(x, P)  # noqa: E731
+    if shapes is None:
+        return jax.tree_util.tree_map_with_path(one, logical_specs, is_leaf=is_leaf)
+    return jax.tree_util.tree_map_with_path(one, logical_specs, shapes, is_leaf=is_leaf)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """PartitionSpecs -> NamedShardings on this mesh."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# --------------------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class _Active:
+    mesh: Mesh
+    strategy: Strategy
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("meshlm_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, strategy: Strategy = DEFAULT):
+    """Within this block (while tracing), `constrain` and `ring_spec` use this mesh and strategy."""
+    token = _ACTIVE.set(_Active(mesh, strategy))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def activation_spec(logical: Sequence[str | None]) -> P | None:
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    return logical_to_spec(logical, active.strategy.activations, active.mesh)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout at a key operator; a no-op outside `activate`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    spec = logical_to_spec(logical, active.strategy.activations, active.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
+
+
+def batch_sharding(mesh: Mesh, strategy: Strategy = DEFAULT, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, length, ...] input array."""
+    logical = ("batch", "length") + (None,) * (ndim - 2)
+    return NamedSharding(mesh, logical_to_spec(logical[:ndim], strategy.activations, mesh))
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What RingAttention needs to run over the sequence axis: the mesh, the axis and the array layouts."""
+
+    mesh: Mesh
+    axis_name: str
+    size: int
+    qkv_spec: P  # [batch, length, heads, head_dim]
+    seq_spec: P  # [batch, length]
+
+
+def sequence_parallel_size(mesh: Mesh, strategy: Strategy = DEFAULT) -> int:
+    return math.prod(mesh.shape[a] for a in _as_tuple(strategy.activations.get("length")))
+
+
+def ring_spec() -> RingSpec | None:
+    """The ring layout when the active strategy splits `length` over the mesh, else None."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    axes = [a for a in _as_tuple(active.strategy.activations.get("length")) if active.mesh.shape[a] > 1]
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise UsageError(f"strategy {active.strategy.name!r} splits length over {axes}; RingAttention needs one mesh axis")
+    table = active.strategy.activations
+    return RingSpec(
+        mesh=active.mesh,
+        axis_name=axes[0],
+        size=active.mesh.shape[axes[0]],
+        qkv_spec=logical_to_spec(("batch", "length", "heads", "head_dim"), table, active.mesh),
+        seq_spec=logical_to_spec(("batch", "length"), table, active.mesh),
+    )
+
+
+def describe_specs(specs: Any) -> list[tuple[str, str]]:
+    """(path, PartitionSpec) rows for logs and tests."""
+    rows = []
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]:
+        rows.append((jax.tree_util.keystr(path), str(spec)))
+    return rows
+
+
+__all__ = [
+    "Strategy", "DEFAULT", "STRATEGIES", "LOGICAL_AXES", "logical_to_spec", "param_specs", "named", "replicated",
+    "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
+    "sequence_parallel_size", "describe_specs",
+]

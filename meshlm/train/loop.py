@@ -1,0 +1,207 @@
+"""`meshlm train`: the training loop over the library pieces (mesh, placement, state, step, data, metrics).
+
+`TrainConfig` is the single list of training flags: the CLI builds its parser from these fields and
+their help texts, and Python users construct it directly and call `train(cfg)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlm.errors import UsageError
+
+
+def _flag(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    mesh_dim: str | None = _flag(None, "dp,fsdp,tp,sp sizes, e.g. 1,8,1,1 or fsdp:-1,tp:2; one may be -1 (default: all fsdp)")
+    mp_mesh_dim: str | None = _flag(None, "EasyLM form: model-parallel sizes tp,sp only; data parallelism is inferred")
+    fsdp: bool = _flag(False, "with --mp_mesh_dim: shard parameters over the data axis too (fsdp instead of dp)")
+    devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only)")
+    model: str = _flag("tiny", "preset name or path of a Hugging Face config.json; fields via --model.FIELD=VALUE")
+    model_overrides: dict = _flag(dict, "set by --model.FIELD=VALUE", cli=False)
+    steps: int = _flag(200, "optimizer steps to take (steps count from 1)")
+    batch_size: int = _flag(8, "global batch size in sequences (all devices, all micro-batches)")
+    seq_len: int = _flag(256, "tokens per sequence")
+    grad_accum: int = _flag(1, "micro-batches per step (gradient accumulation)")
+    lr: float = _flag(3e-4, "peak learning rate")
+    warmup_steps: int | None = _flag(None, "linear warm-up steps (default: 10%% of --steps, at most 1000)")
+    min_lr_ratio: float = _flag(0.1, "cosine decay ends at lr × this")
+    weight_decay: float = _flag(0.1, "AdamW weight decay (never applied to norm scales)")
+    clip_norm: float = _flag(1.0, "global gradient-norm clip; 0 disables")
+    dtype: str = _flag("auto", "compute dtype: auto (float32 on CPU, where it is fastest; bfloat16 on GPU/TPU), float32, bfloat16")
+    param_dtype: str = _flag("float32", "parameter and optimizer-state dtype")
+    remat: str = _flag("none", "rematerialisation policy: none, full, save_dots, save_qkv_attn")
+    dataset: str = _flag("stdlib", "stdlib (Python's own sources), synthetic, a .txt/.jsonl file, folder or glob, or hf:NAME[:split]")
+    tokenizer: str | None = _flag(None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)")
+    output_dir: str = _flag("outputs/train", "where metrics.jsonl, TensorBoard events and loss.png go")
+    log_every: int = _flag(10, "log loss, tokens/s, TFLOP/s per device and MFU every N steps")
+    seed: int = _flag(0, "seed for parameters and data order")
+    peak_tflops: float | None = _flag(None, "peak TFLOP/s per device for MFU (default: built-in table, or a matmul probe on CPU)")
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name}={getattr(self, name)} must be a positive integer")
+        if self.devices is not None and self.devices <= 0:
+            raise UsageError(f"--devices={self.devices} must be a positive integer")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UsageError(f"--dtype={self.dtype}: choose auto, float32 or bfloat16")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise UsageError(f"--param_dtype={self.param_dtype}: choose float32 or bfloat16")
+        if self.batch_size % self.grad_accum:
+            raise UsageError(f"--batch_size={self.batch_size} is not divisible by --grad_accum={self.grad_accum}")
+
+
+def configure_devices(devices: int | None) -> None:
+    """`--devices=N`: N simulated CPU devices. Must run before JAX initialises its backends."""
+    import os
+
+    if devices is None:
+        return
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def resolve_dtype(dtype: str) -> str:
+    import jax
+
+    if dtype != "auto":
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
+    """Run a training job end to end; returns a summary (first and last loss, throughput, paths)."""
+    cfg.validate()
+    configure_devices(cfg.devices)
+
+    import jax
+    from rich.console import Console
+
+    from meshlm import data, mesh as meshlib
+    from meshlm.models.configs import describe, resolve_model
+    from meshlm.models.placement import place
+    from meshlm.train import metrics as M
+    from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+    from meshlm.train.state import create_train_state
+    from meshlm.train.step import make_train_step, put_batch, sequence_permutation
+
+    console = console or Console()
+    model_cfg = resolve_model(cfg.model, cfg.model_overrides).replace(
+        dtype=resolve_dtype(cfg.dtype), param_dtype=cfg.param_dtype, remat=cfg.remat
+    )
+    n_devices = jax.device_count()
+    shape = meshlib.resolve_mesh_shape(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, n_devices)
+    if cfg.mp_mesh_dim:
+        console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
+    meshlib.validate_mesh_shape(
+        shape, batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_heads=model_cfg.n_heads,
+        n_kv_heads=model_cfg.n_kv_heads, mlp_dim=model_cfg.mlp_dim, vocab_size=model_cfg.vocab_size,
+    )
+    if (cfg.batch_size // cfg.grad_accum) % shape.data:
+        raise UsageError(
+            f"--batch_size={cfg.batch_size} / --grad_accum={cfg.grad_accum} = {cfg.batch_size // cfg.grad_accum} "
+            f"rows per micro-batch is not divisible by dp×fsdp = {shape.data}"
+        )
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise UsageError(f"--seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; "
+                         "raise --model.max_seq_len or shorten --seq_len")
+
+    tokenizer = data.load_tokenizer(cfg.tokenizer, cfg.dataset, model_cfg.vocab_size)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise UsageError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_cfg.vocab_size}; "
+            f"set --model.vocab_size={tokenizer.vocab_size} (rounded up to a multiple of tp)"
+        )
+    loader = data.make_loader(
+        cfg.dataset, tokenizer, cfg.seq_len, cfg.batch_size,
+        process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
+    )
+
+    mesh = meshlib.build_mesh(shape)
+    placement = place(model_cfg, mesh)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, cfg.steps // 10)
+    opt_cfg = OptimizerConfig(
+        lr=cfg.lr, warmup_steps=warmup, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio,
+        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm,
+    )
+    optimizer = make_optimizer(opt_cfg)
+    console.print(f"model: {cfg.model} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
+    console.print(
+        f"mesh: --mesh_dim={shape} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
+        f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
+    )
+    state = create_train_state(placement, optimizer, cfg.seed)
+    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum)
+    perm = sequence_permutation(placement, cfg.seq_len)
+
+    peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
+    console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+    out = Path(cfg.output_dir)
+    is_main = jax.process_index() == 0
+    logger = M.MetricsLogger(
+        out, flops_per_token=M.model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
+        n_devices=n_devices, total_steps=cfg.steps, log_every=cfg.log_every, enabled=is_main,
+    )
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"train": {k: v for k, v in dataclasses.asdict(cfg).items()}, "model": dataclasses.asdict(model_cfg),
+             "mesh_dim": str(shape)}, indent=2, default=str))
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    history: list[dict] = []
+    compile_s = None
+    with M.TrainProgress(cfg.steps, enabled=is_main) as progress:
+        t_last, tokens_since = time.perf_counter(), 0
+        for step in range(1, cfg.steps + 1):
+            batch = put_batch(placement, next(loader), perm)
+            t0 = time.perf_counter()
+            state, step_metrics = step_fn(state, batch)
+            tokens_since += tokens_per_step
+            if step == 1:
+                jax.block_until_ready(step_metrics)
+                compile_s = time.perf_counter() - t0
+                t_last, tokens_since = time.perf_counter(), 0  # throughput excludes the compile
+                console.print(f"compiled and ran step 1 in {compile_s:.1f}s")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                host = jax.device_get(step_metrics)  # the only host sync: once per log step
+                now = time.perf_counter()
+                row = logger.log(
+                    step, loss=float(host["loss"]), tokens=tokens_since or tokens_per_step,
+                    seconds=max(now - t_last, 1e-9),
+                    extra={"lr": float(host.get("lr", 0.0)), "grad_norm": float(host["grad_norm"])},
+                )
+                history.append(row)
+                if is_main:
+                    M.print_metrics_line(row, console=console)
+                t_last, tokens_since = now, 0
+                progress.update(step, row)
+            else:
+                progress.update(step, None)
+    logger.close(title=f"{cfg.model} on --mesh_dim={shape}")
+    summary = {
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "compile_seconds": compile_s,
+        "steps": cfg.steps,
+        "mesh_dim": str(shape),
+        "output_dir": str(out),
+        "history": history,
+    }
+    if is_main and history:
+        console.print(
+            f"done: loss {summary['first_loss']:.3f} → {summary['final_loss']:.3f} over {cfg.steps} steps; "
+            f"metrics in {out / 'metrics.jsonl'}, curve in {out / 'loss.png'}, TensorBoard in {out / 'tb'}"
+        )
+    return summary
