@@ -50,8 +50,13 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 def atomic_write(path: Path, write) -> None:
     """Call `write(tmp_path)` and move the result onto `path` in one step, so that concurrent
     processes sharing a cache never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the cache file {path} ({e}); set MESHLM_CACHE to a writable folder"
+        ) from e
     os.close(fd)
     try:
         write(Path(tmp))

@@ -247,7 +247,7 @@ def forward_chunk(
 
 
 def backward_chunk(
-    dq,
+    grads,
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta,
     *, causal: bool, block_q: int, block_kv: int,
 ):  # fmt: skip
@@ -261,8 +261,9 @@ def backward_chunk(
         dv += p^T dout      dp = dout v^T      ds = p * (dp - delta)
         dq += ds k / sqrt(D)                   dk += ds^T q / sqrt(D)
 
-    dq (float32, all queries) is accumulated in place and returned; dk, dv (float32,
-    [B,KVH,S,D]) are this chunk's contributions. Fully masked pairs of blocks are skipped.
+    grads = (dq [B,KVH,G,T,D], dk [B,KVH,S,D], dv [B,KVH,S,D]), float32 accumulators that this
+    chunk's contributions are added to (in place, so no extra copies); returns the updated
+    triple. Fully masked pairs of blocks are skipped.
     """
     t, s = q.shape[3], k.shape[2]
     bq, bk = block_sizes(t, s, block_q, block_kv)
@@ -299,12 +300,11 @@ def backward_chunk(
             needed = block_may_attend(qp, kp, qs, ks, causal)
             return lax.cond(needed, attend, lambda c: c, (dq, dk_blk, dv_blk))
 
-        zeros = jnp.zeros_like(k_blk, dtype=_F32)
-        dq, dk_blk, dv_blk = lax.fori_loop(0, t // bq, per_query_block, (dq, zeros, zeros))
+        blk = (dq, _slice(dk, k0, bk, 2), _slice(dv, k0, bk, 2))
+        dq, dk_blk, dv_blk = lax.fori_loop(0, t // bq, per_query_block, blk)
         return dq, _update(dk, dk_blk, k0, 2), _update(dv, dv_blk, k0, 2)
 
-    dk = jnp.zeros_like(k, dtype=_F32)
-    return lax.fori_loop(0, s // bk, per_key_block, (dq, dk, jnp.zeros_like(dk)))
+    return lax.fori_loop(0, s // bk, per_key_block, tuple(grads))
 
 
 def output_delta(out, dout):
@@ -363,8 +363,9 @@ def _blockwise_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 def _blockwise_bwd(cfg, residuals, dout):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    zeros = (jnp.zeros_like(q, dtype=_F32), jnp.zeros_like(k, dtype=_F32))
     dq, dk, dv = backward_chunk(
-        jnp.zeros_like(q, dtype=_F32), q, k, v, q_pos, kv_pos, q_seg, kv_seg,
+        (zeros[0], zeros[1], zeros[1]), q, k, v, q_pos, kv_pos, q_seg, kv_seg,
         dout, lse, output_delta(out, dout), **cfg._asdict(),
     )  # fmt: skip
     # Positions and segment ids are integers: no cotangent.

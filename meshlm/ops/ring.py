@@ -149,10 +149,11 @@ def _ring_attention_bwd(ring: _Ring, residuals, dout):
         next_kv = _send_to_next(kv, ring)  # both transfers overlap with this step's compute
         dk_acc, dv_acc = _send_to_next(pending, ring)
         k_i, v_i, kv_pos_i, kv_seg_i = kv
-        dq, dk_i, dv_i = attn.backward_chunk(
-            dq, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, dout, lse, delta, **ring.blocks()
-        )
-        return dq, next_kv, (dk_acc + dk_i, dv_acc + dv_i)
+        dq, dk_acc, dv_acc = attn.backward_chunk(
+            (dq, dk_acc, dv_acc), q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, dout, lse, delta,
+            **ring.blocks(),
+        )  # fmt: skip
+        return dq, next_kv, (dk_acc, dv_acc)
 
     # Accumulators are float32 (for bf16 inputs this doubles the dk/dv traffic, for accuracy).
     zeros = jnp.zeros_like(k, dtype=jnp.float32)

@@ -158,3 +158,6 @@ def test_tokenizer_errors(tmp_path):
         load_tokenizer(None, "stdlib", 100)
     with pytest.raises(UsageError, match="unknown dataset"):
         load_tokenizer(None, str(tmp_path / "nope.txt"), 512)
+    (tmp_path / "a.txt").write_text("some text to train on")
+    with pytest.raises(UsageError, match="set MESHLM_CACHE to a writable folder"):
+        load_tokenizer(None, str(tmp_path / "a.txt"), 300, cache_dir=tmp_path / "a.txt")

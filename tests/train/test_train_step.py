@@ -1,0 +1,173 @@
+"""Training is the same computation on every mesh: losses, parameters, shardings and memory.
+
+One module-scoped run per mesh (3 steps each) is shared by the assertions below: compiles are the
+expensive part on 2 cores.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshlm.mesh import build_mesh, parse_mesh_dim
+from meshlm.models.configs import resolve_model
+from meshlm.models.placement import place
+from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+from meshlm.train.state import abstract_state, create_train_state
+from meshlm.train.step import BATCH_KEYS, make_train_step, put_batch, sequence_permutation
+
+MESHES = ["1,1,1,1", "8,1,1,1", "1,8,1,1", "1,1,8,1", "2,2,2,1", "1,2,4,1"]
+B, T, STEPS = 8, 32, 3
+LR = 1e-2
+CFG = resolve_model("test", {"n_kv_heads": "8"}).replace(dtype="float32")
+OPT = OptimizerConfig(lr=LR, warmup_steps=1, total_steps=10)
+
+
+def make_batches(cfg=CFG, steps=STEPS, batch=B, seq=T, seed=0):
+    """Random tokens with two documents per row, so positions and segment ids matter."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        toks = rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+        cut = seq // 3
+        positions = np.concatenate([np.arange(cut), np.arange(seq - cut)]).astype(np.int32)
+        segments = np.concatenate([np.ones(cut), 2 * np.ones(seq - cut)]).astype(np.int32)
+        mask = np.ones((batch, seq), np.float32)
+        mask[:, cut - 1] = 0.0  # the prediction across the document boundary
+        out.append(dict(
+            inputs=toks[:, :-1], targets=toks[:, 1:], positions=np.tile(positions, (batch, 1)),
+            segment_ids=np.tile(segments, (batch, 1)), loss_mask=mask,
+        ))
+    return out
+
+
+def mesh_for(dims: str):
+    shape = parse_mesh_dim(dims, 1 if dims == "1,1,1,1" else 8)
+    return build_mesh(shape, jax.devices()[: shape.n_devices])
+
+
+def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None):
+    placement = place(cfg, mesh_for(dims))
+    optimizer = make_optimizer(opt_cfg)
+    state = create_train_state(placement, optimizer, seed=0)
+    step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), grad_accum)
+    perm = sequence_permutation(placement, T)
+    losses = []
+    for batch in batches or make_batches(cfg):
+        state, metrics = step(state, put_batch(placement, batch, perm))
+        losses.append(float(metrics["loss"]))
+    return dict(placement=placement, state=state, losses=losses, step=step)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {dims: run(dims) for dims in MESHES}
+
+
+@pytest.mark.parametrize("dims", MESHES[1:])
+def test_same_losses_on_every_mesh(runs, dims):
+    np.testing.assert_allclose(runs[dims]["losses"], runs["1,1,1,1"]["losses"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dims", MESHES[1:])
+def test_same_parameters_on_every_mesh(runs, dims):
+    # Adam normalises each update to about ±lr; 2e-5 is 0.2% of one update.
+    got, want = jax.device_get(runs[dims]["state"].params), jax.device_get(runs["1,1,1,1"]["state"].params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-5), got, want)
+
+
+def test_training_reduces_loss(runs):
+    losses = runs["1,1,1,1"]["losses"]
+    assert losses[0] > losses[1] > losses[2]  # fresh random batches, so this is generalisation to noise... of unigram stats
+    assert int(runs["1,1,1,1"]["state"].step) == STEPS
+
+
+# Every parameter's sharding, written out by hand from the default table:
+# embed -> (fsdp, sp); heads, kv_heads, mlp, vocab -> tp; layers, head_dim -> replicated.
+EXPECTED = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm/scale": ("embed",),
+    "layers/attn/wq": ("layers", "embed", "heads", None),
+    "layers/attn/wk": ("layers", "embed", "heads", None),
+    "layers/attn/wv": ("layers", "embed", "heads", None),
+    "layers/attn/wo": ("layers", "heads", None, "embed"),
+    "layers/attn_norm/scale": ("layers", "embed"),
+    "layers/mlp_norm/scale": ("layers", "embed"),
+    "layers/mlp/gate": ("layers", "embed", "mlp"),
+    "layers/mlp/up": ("layers", "embed", "mlp"),
+    "layers/mlp/down": ("layers", "mlp", "embed"),
+}
+
+
+def expected_spec(logical, sizes):
+    dp, fsdp, tp, sp = sizes
+    embed = tuple(a for a, n in (("fsdp", fsdp), ("sp", sp)) if n > 1)
+    table = {"embed": embed[0] if len(embed) == 1 else (embed or None), "layers": None, None: None}
+    for name in ("heads", "mlp", "vocab"):
+        table[name] = "tp" if tp > 1 else None
+    return P(*(table[name] for name in logical))
+
+
+def flat_params(tree, prefix=""):
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from flat_params(value, path + "/")
+        else:
+            yield path, value
+
+
+@pytest.mark.parametrize("dims", MESHES)
+def test_every_parameter_sharding_matches_the_table(runs, dims):
+    sizes = tuple(int(x) for x in dims.split(","))
+    params = dict(flat_params(runs[dims]["state"].params))
+    assert set(params) == set(EXPECTED)
+    for path, array in params.items():
+        want = expected_spec(EXPECTED[path], sizes)
+        assert array.sharding.spec == want, f"{path}: {array.sharding.spec} != {want} on {dims}"
+        # Adam moments follow their parameter (so fsdp shards optimizer state too).
+    mu = dict(flat_params(runs[dims]["state"].opt_state[1][0].mu))
+    for path, array in mu.items():
+        assert array.sharding.spec == params[path].sharding.spec, path
+
+
+def test_optimizer_skips_weight_decay_on_norms():
+    from meshlm.train.optimizer import decay_mask
+
+    mask = dict(flat_params(decay_mask(place(CFG, mesh_for("1,1,1,1")).shapes)))
+    assert not mask["final_norm/scale"] and not mask["layers/attn_norm/scale"]
+    assert mask["layers/mlp/gate"] and mask["embed"]
+
+
+def _argument_bytes(runs, dims):
+    """Per-device bytes of the step's inputs: parameters + optimizer state (+ the tiny batch)."""
+    r = runs[dims]
+    placement = r["placement"]
+    optimizer = make_optimizer(OPT)
+    state = abstract_state(placement, optimizer)
+    batch = put_batch(placement, make_batches()[0])
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+    compiled = r["step"].lower(state, abstract_batch).compile()
+    return compiled.memory_analysis().argument_size_in_bytes, placement
+
+
+def test_fsdp_divides_parameter_and_optimizer_memory(runs):
+    full, _ = _argument_bytes(runs, "1,1,1,1")
+    sharded, placement = _argument_bytes(runs, "1,8,1,1")
+    assert sharded <= full / 8 * 1.05, (sharded, full)
+    # and the parameters alone really are split 8 ways
+    assert placement.param_bytes_per_device() * 8 == place(CFG, mesh_for("1,1,1,1")).param_bytes_per_device()
+
+
+def test_gradient_accumulation_is_exact(runs):
+    accumulated = run("2,2,2,1", grad_accum=2)
+    np.testing.assert_allclose(accumulated["losses"], runs["1,1,1,1"]["losses"], rtol=1e-5)
+
+
+def test_batch_keys_are_all_sharded_over_batch(runs):
+    placement = runs["2,2,2,1"]["placement"]
+    batch = put_batch(placement, make_batches()[0])
+    assert set(batch) == set(BATCH_KEYS)
+    for array in batch.values():
+        assert array.sharding.spec[0] == ("dp", "fsdp")
