@@ -86,7 +86,7 @@ _LLAMA3_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
 
 PRESETS: dict[str, ModelConfig] = {
     # For unit tests: divisible by 8 everywhere so every 8-device mesh is valid.
-    "test": ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, mlp_dim=128, max_seq_len=512),
+    "test": ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, mlp_dim=128, max_seq_len=512),
     # The benchmark shape, and what `make run` trains.
     "tiny": ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=768, max_seq_len=2048),
     "small": ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, mlp_dim=2048),

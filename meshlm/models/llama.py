@@ -168,7 +168,10 @@ class Llama(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # Gather from a table whose vocab dim stays split over the model axis and whose embed dim is whole:
+        # each shard looks up its own rows and one reduction assembles the activations.
+        table = sharding.constrain(self.embed[...], ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         x = sharding.constrain(x, ("batch", "length", "embed"))
 
         def layer(x, block, positions, segment_ids):

@@ -21,7 +21,9 @@ unused cache slots at position -1) and packed sequences. A query with no key to 
 padding token) gets an output of zeros and zero gradients.
 
 Softmax runs in float32 with scale 1/sqrt(D). Grouped-query attention never copies k/v to H
-heads: queries are viewed as [B, KVH, G, T, D] with G = H // KVH query heads per kv head.
+heads: queries are viewed (a free reshape) as [B, T, KVH, G, D] with G = H // KVH query heads
+per kv head. Large arrays keep the caller's token-major layout (no whole-array transposes, which
+would cost memory); per-row softmax statistics are kept heads-major, [B, KVH, G, T].
 
 `blockwise_attention` is the memory-efficient path. Its building blocks `forward_chunk` and
 `backward_chunk` fold one chunk of keys/values into a running online-softmax state (forward) or
@@ -102,30 +104,38 @@ def block_may_attend(q_pos, kv_pos, q_seg, kv_seg, causal: bool) -> Array:
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel layout: heads before length, queries grouped by their kv head
+# Grouped queries: q [B,T,H,D] viewed as [B,T,KVH,G,D]
 # --------------------------------------------------------------------------------------------
 
 
-def to_kernel_layout(q, k, v):
-    """[B,T,H,D] -> q [B,KVH,G,T,D]; [B,S,KVH,D] -> k, v [B,KVH,S,D].
-
-    With heads ahead of length, each block product is a plain batched matmul over (B, KVH).
-    """
+def group_queries(q, kv_heads: int):
+    """[B,T,H,D] -> [B,T,KVH,G,D]: the G = H // KVH query heads that share one kv head."""
     b, t, h, d = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
-    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def from_kernel_layout(out):
-    """[B,KVH,G,T,D] -> [B,T,H,D]."""
-    b, kvh, g, t, d = out.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * g, d)
+def ungroup_queries(x):
+    """[B,T,KVH,G,D] -> [B,T,H,D]."""
+    b, t, kvh, g, d = x.shape
+    return x.reshape(b, t, kvh * g, d)
+
+
+def _heads_major(x):
+    """[B,t,KVH,G,...] -> [B,KVH,G,t,...] (undone by `_tokens_major`).
+
+    Used on one query block at a time (hoisted out of the inner loop over key blocks), so the
+    block products inside are plain matmuls batched over (B, KVH) without copying whole arrays.
+    """
+    return jnp.moveaxis(x, 1, 3)
+
+
+def _tokens_major(x):
+    return jnp.moveaxis(x, 3, 1)
 
 
 def _scores(q_blk, k_blk):
-    """[B,KVH,G,tq,D] x [B,KVH,tk,D] -> float32 scores [B,KVH,G,tq,tk], scaled by 1/sqrt(D)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=_F32)
+    """[B,KVH,G,tq,D] x [B,tk,KVH,D] -> float32 scores [B,KVH,G,tq,tk], scaled by 1/sqrt(D)."""
+    s = jnp.einsum("bhgqd,bkhd->bhgqk", q_blk, k_blk, preferred_element_type=_F32)
     return s * (1.0 / math.sqrt(q_blk.shape[-1]))
 
 
@@ -158,9 +168,9 @@ def block_sizes(t: int, s: int, block_q: int, block_kv: int) -> tuple[int, int]:
 
 
 class SoftmaxState(NamedTuple):
-    """Running online-softmax state of every query (kernel layout, float32).
+    """Running online-softmax state of every query (float32).
 
-    acc [B,KVH,G,T,D]: sum_k exp(s_k - m) v_k;  m [B,KVH,G,T]: running row max of the scores
+    acc [B,T,KVH,G,D]: sum_k exp(s_k - m) v_k;  m [B,KVH,G,T]: running row max of the scores
     (-inf while nothing was attended);  l [B,KVH,G,T]: sum_k exp(s_k - m).
     """
 
@@ -170,33 +180,35 @@ class SoftmaxState(NamedTuple):
 
 
 def init_state(q) -> SoftmaxState:
-    """Empty state for kernel-layout queries q [B,KVH,G,T,D].
+    """Empty state for grouped queries q [B,T,KVH,G,D].
 
     Built with `zeros_like(q)` so that, inside `shard_map`, the state varies over the same mesh
     axes as q (loop carries must keep their type).
     """
     acc = jnp.zeros_like(q, dtype=_F32)
-    m = jnp.full_like(acc[..., 0], -jnp.inf)
+    m = jnp.full_like(jnp.moveaxis(acc[..., 0], 1, 3), -jnp.inf)  # [B,KVH,G,T]
     return SoftmaxState(acc, m, jnp.zeros_like(m))
 
 
 def finalize_state(state: SoftmaxState, dtype):
-    """-> (out [B,KVH,G,T,D] in dtype, lse [B,KVH,G,T] float32; -inf where nothing attended)."""
+    """-> (out [B,T,KVH,G,D] in dtype, lse [B,KVH,G,T] float32; -inf where nothing attended)."""
     seen = state.l > 0
-    out = state.acc / jnp.where(seen, state.l, 1.0)[..., None]
-    lse = jnp.where(seen, state.m + jnp.log(jnp.where(seen, state.l, 1.0)), -jnp.inf)
+    l = jnp.where(seen, state.l, 1.0)
+    out = state.acc / jnp.moveaxis(l, 3, 1)[..., None]
+    lse = jnp.where(seen, state.m + jnp.log(l), -jnp.inf)
     return out.astype(dtype), lse
 
 
 def _online_softmax_step(state: SoftmaxState, s, v_blk) -> SoftmaxState:
-    """Fold masked scores s [B,KVH,G,tq,tk] (-inf = masked) and values into a block's state."""
+    """Fold masked scores s [B,KVH,G,tq,tk] (-inf = masked) and values v_blk [B,tk,KVH,D]
+    into the state of one query block (acc heads-major here: [B,KVH,G,tq,D])."""
     m_new = jnp.maximum(state.m, jnp.max(s, axis=-1))
     # A row that has seen only masked keys keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - m_safe[..., None])
     rescale = jnp.exp(state.m - m_safe)  # how much the old running sums shrink
     l = state.l * rescale + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32)
+    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32)
     acc = state.acc * rescale[..., None] + pv
     return SoftmaxState(acc, m_new, l)
 
@@ -208,35 +220,43 @@ def forward_chunk(
 ) -> SoftmaxState:  # fmt: skip
     """Attend all queries to one chunk of keys/values, updating the online-softmax state.
 
-    Kernel layout: q [B,KVH,G,T,D], k/v [B,KVH,S,D], positions/segments [B,T] / [B,S]. Loops
+    q [B,T,KVH,G,D], k/v [B,S,KVH,D], positions/segments [B,T] / [B,S]. Loops
     over query blocks and, inside, key blocks; a (query block, key block) pair whose mask is
     all False is skipped by `lax.cond` (decided from position ranges, so the order of tokens
     does not matter). Peak extra memory is one [B,KVH,G,block_q,block_kv] score block.
     """
-    t, s = q.shape[3], k.shape[2]
+    t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
 
     def per_query_block(i, state):
         q0 = i * bq
-        q_blk = _slice(q, q0, bq, 3)
+        q_blk = _heads_major(_slice(q, q0, bq, 1))
         qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
-        blk_state = SoftmaxState(*(_slice(x, q0, bq, 3) for x in state))
+        blk_state = SoftmaxState(
+            _heads_major(_slice(state.acc, q0, bq, 1)),
+            _slice(state.m, q0, bq, 3),
+            _slice(state.l, q0, bq, 3),
+        )
 
         def per_key_block(j, blk_state):
             k0 = j * bk
             kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
 
             def attend(blk_state):
-                scores = _scores(q_blk, _slice(k, k0, bk, 2))
+                scores = _scores(q_blk, _slice(k, k0, bk, 1))
                 mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
                 scores = jnp.where(mask, scores, -jnp.inf)
-                return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 2))
+                return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 1))
 
             needed = block_may_attend(qp, kp, qs, ks, causal)
             return lax.cond(needed, attend, lambda st: st, blk_state)
 
         blk_state = lax.fori_loop(0, s // bk, per_key_block, blk_state)
-        return SoftmaxState(*(_update(x, b, q0, 3) for x, b in zip(state, blk_state)))
+        return SoftmaxState(
+            _update(state.acc, _tokens_major(blk_state.acc), q0, 1),
+            _update(state.m, blk_state.m, q0, 3),
+            _update(state.l, blk_state.l, q0, 3),
+        )
 
     return lax.fori_loop(0, t // bq, per_query_block, state)
 
@@ -253,7 +273,7 @@ def backward_chunk(
 ):  # fmt: skip
     """Gradients of the attention of all queries to one chunk of keys/values.
 
-    Kernel layout as in `forward_chunk`; dout [B,KVH,G,T,D] is the output cotangent,
+    Layouts as in `forward_chunk`; dout [B,T,KVH,G,D] is the output cotangent,
     lse [B,KVH,G,T] the log-sum-exp of each query's scores over *all* keys (from the forward
     pass) and delta = sum(dout * out, -1). With p = exp(s - lse) the exact softmax
     probabilities are recovered block by block, so nothing of size T x S is ever stored:
@@ -261,55 +281,55 @@ def backward_chunk(
         dv += p^T dout      dp = dout v^T      ds = p * (dp - delta)
         dq += ds k / sqrt(D)                   dk += ds^T q / sqrt(D)
 
-    grads = (dq [B,KVH,G,T,D], dk [B,KVH,S,D], dv [B,KVH,S,D]), float32 accumulators that this
+    grads = (dq [B,T,KVH,G,D], dk [B,S,KVH,D], dv [B,S,KVH,D]), float32 accumulators that this
     chunk's contributions are added to (in place, so no extra copies); returns the updated
     triple. Fully masked pairs of blocks are skipped.
     """
-    t, s = q.shape[3], k.shape[2]
+    t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
     scale = 1.0 / math.sqrt(q.shape[-1])
 
-    def per_key_block(j, carry):
-        dq, dk, dv = carry
-        k0 = j * bk
-        k_blk, v_blk = _slice(k, k0, bk, 2), _slice(v, k0, bk, 2)
-        kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
+    def per_query_block(i, grads):
+        dq, dk, dv = grads
+        q0 = i * bq
+        q_blk, do_blk = _heads_major(_slice(q, q0, bq, 1)), _heads_major(_slice(dout, q0, bq, 1))
+        lse_blk, delta_blk = _slice(lse, q0, bq, 3), _slice(delta, q0, bq, 3)
+        qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
 
-        def per_query_block(i, carry):
-            dq, dk_blk, dv_blk = carry
-            q0 = i * bq
-            qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
+        def per_key_block(j, carry):
+            k0 = j * bk
+            kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
 
             def attend(carry):
-                dq, dk_blk, dv_blk = carry
-                q_blk, do_blk = _slice(q, q0, bq, 3), _slice(dout, q0, bq, 3)
-                lse_blk, delta_blk = _slice(lse, q0, bq, 3), _slice(delta, q0, bq, 3)
+                dq_blk, dk, dv = carry
+                k_blk, v_blk = _slice(k, k0, bk, 1), _slice(v, k0, bk, 1)
                 mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
                 # Masked entries (and rows with lse = -inf, which are fully masked) give p = 0.
                 p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk) - lse_blk[..., None]), 0.0)
-                dv_blk += jnp.einsum(
-                    "bhgqk,bhgqd->bhkd", p.astype(do_blk.dtype), do_blk, preferred_element_type=_F32
+                dv_blk = jnp.einsum(
+                    "bhgqk,bhgqd->bkhd", p.astype(do_blk.dtype), do_blk, preferred_element_type=_F32
                 )
-                dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk, preferred_element_type=_F32)
+                dp = jnp.einsum("bhgqd,bkhd->bhgqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = (p * (dp - delta_blk[..., None]) * scale).astype(q.dtype)
-                dq_blk = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk, preferred_element_type=_F32)
-                dq = _update(dq, _slice(dq, q0, bq, 3) + dq_blk, q0, 3)
-                dk_blk += jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_blk, preferred_element_type=_F32)
-                return dq, dk_blk, dv_blk
+                dq_blk += jnp.einsum("bhgqk,bkhd->bhgqd", ds, k_blk, preferred_element_type=_F32)
+                dk_blk = jnp.einsum("bhgqk,bhgqd->bkhd", ds, q_blk, preferred_element_type=_F32)
+                dk = _update(dk, _slice(dk, k0, bk, 1) + dk_blk, k0, 1)
+                dv = _update(dv, _slice(dv, k0, bk, 1) + dv_blk, k0, 1)
+                return dq_blk, dk, dv
 
             needed = block_may_attend(qp, kp, qs, ks, causal)
-            return lax.cond(needed, attend, lambda c: c, (dq, dk_blk, dv_blk))
+            return lax.cond(needed, attend, lambda c: c, carry)
 
-        blk = (dq, _slice(dk, k0, bk, 2), _slice(dv, k0, bk, 2))
-        dq, dk_blk, dv_blk = lax.fori_loop(0, t // bq, per_query_block, blk)
-        return dq, _update(dk, dk_blk, k0, 2), _update(dv, dv_blk, k0, 2)
+        carry = (_heads_major(_slice(dq, q0, bq, 1)), dk, dv)
+        dq_blk, dk, dv = lax.fori_loop(0, s // bk, per_key_block, carry)
+        return _update(dq, _tokens_major(dq_blk), q0, 1), dk, dv
 
-    return lax.fori_loop(0, s // bk, per_key_block, tuple(grads))
+    return lax.fori_loop(0, t // bq, per_query_block, tuple(grads))
 
 
 def output_delta(out, dout):
-    """delta = rowsum(dout * out) in float32, the softmax term of the backward pass."""
-    return jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1)
+    """delta = rowsum(dout * out) in float32 [B,KVH,G,T], the softmax term of the backward."""
+    return jnp.moveaxis(jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1), 1, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,15 +346,15 @@ def dot_product_attention(
     See the module docstring for shapes and the masking rule. Differentiable by ordinary autodiff.
     """
     check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    qk, kk, vk = to_kernel_layout(q, k, v)
     mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal)
-    scores = jnp.where(mask[:, None, None], _scores(qk, kk), -jnp.inf)
+    grouped_q = _heads_major(group_queries(q, k.shape[2]))
+    scores = jnp.where(mask[:, None, None], _scores(grouped_q, k), -jnp.inf)
     m = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m))  # masked -> exactly 0
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l > 0, l, 1.0)  # a row with nothing to attend stays all 0
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vk.dtype), vk, preferred_element_type=_F32)
-    return from_kernel_layout(out).astype(q.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+    return ungroup_queries(out).astype(q.dtype)
 
 
 class _Blocks(NamedTuple):
@@ -389,9 +409,8 @@ def blockwise_attention(
     """
     check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     bq, bk = block_sizes(q.shape[1], k.shape[1], block_q, block_kv)
-    qk, kk, vk = to_kernel_layout(q, k, v)
     out = _blockwise(
-        _Blocks(bool(causal), bq, bk), qk, kk, vk,
+        _Blocks(bool(causal), bq, bk), group_queries(q, k.shape[2]), k, v,
         q_positions, kv_positions, q_segment_ids, kv_segment_ids,
     )  # fmt: skip
-    return from_kernel_layout(out)
+    return ungroup_queries(out)

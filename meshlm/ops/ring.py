@@ -79,7 +79,7 @@ def inverse_permutation(perm: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# The per-device ring (runs inside shard_map; arrays are the local shards, kernel layout)
+# The per-device ring (runs inside shard_map; arrays are local shards, q grouped by kv head)
 # --------------------------------------------------------------------------------------------
 
 
@@ -105,7 +105,7 @@ def _send_to_next(tree, ring: _Ring):
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    """Forward ring: -> (out [B,KVH,G,T,D], lse [B,KVH,G,T])."""
+    """Forward ring on local shards: -> (out [B,T,KVH,G,D], lse [B,KVH,G,T])."""
 
     def step(_, carry):
         state, kv = carry
@@ -228,9 +228,9 @@ def ring_attention(
     attn.block_sizes(local_t, local_s, ring.block_q, ring.block_kv)  # raises if they don't fit
 
     def per_shard(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
-        qk, kk, vk = attn.to_kernel_layout(q, k, v)
-        out = _ring_attention(ring, qk, kk, vk, q_pos, kv_pos, q_seg, kv_seg)
-        return attn.from_kernel_layout(out)
+        grouped_q = attn.group_queries(q, k.shape[2])
+        out = _ring_attention(ring, grouped_q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+        return attn.ungroup_queries(out)
 
     args = [q, k, v, q_positions, kv_positions]
     specs = [qkv_spec] * 3 + [seq_spec] * 2

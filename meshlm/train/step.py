@@ -63,7 +63,7 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": nll / count, "grad_norm": optax.global_norm(grads), "tokens": count}
+        metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "tokens": count}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -1,0 +1,110 @@
+"""The command line: bad input is one line naming the fix and exit code 2; a short real run works end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def meshlm(*args, env=None, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env.pop("XLA_FLAGS", None)  # --devices must be what sets the device count
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
+
+
+BAD = [
+    (["train", "--devices=8", "--mesh_dim=1,4,1,1"], "multiply to 4 but there are 8 devices"),
+    (["train", "--devices=8", "--mesh_dim=-1,-1,1,1"], "only one axis may be -1"),
+    (["train", "--devices=8", "--mesh_dim=1,0,8,1"], "0 is not a valid axis size"),
+    (["train", "--devices=8", "--mesh_dim=1,a,8,1"], "'a' is not an integer"),
+    (["train", "--devices=8", "--mesh_dim=pp:8"], "unknown axis 'pp'"),
+    (["train", "--devices=8", "--mesh_dim=1,8,1,1", "--batch_size=1"], "--mesh_dim=1,1,1,8"),
+    (["train", "--devices=8", "--mesh_dim=1,1,1,8", "--seq_len=100"], "seq_len 100 is not divisible by sp = 8"),
+    (["train", "--devices=8", "--mesh_dim=1,1,8,1", "--model=tiny"], "n_heads = 4 is not divisible by tp = 8"),
+    (["train", "--devices=8", "--mp_mesh_dim=3,1"], "does not divide the 8 devices"),
+    (["train", "--model=nope"], "neither a preset"),
+    (["train", "--model.n_layerz=3"], "unknown model field"),
+    (["train", "--model.n_layers=x"], "is not a valid int"),
+    (["train", "--steps=0"], "--steps=0 must be a positive integer"),
+    (["train", "--dtype=int8"], "--dtype=int8"),
+    (["train", "--remat=sometimes", "--model=test", "--dataset=synthetic", "--devices=1"], "--remat='sometimes'"),
+    (["train", "--bogus=1"], "unrecognized arguments: --bogus=1"),
+    (["train", "--dataset=/no/such/file.txt", "--devices=1", "--model=test"], "/no/such/file.txt"),
+    (["frobnicate"], "unknown command"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2(args, message, capsys):
+    from meshlm.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args,message", [BAD[0], BAD[5]], ids=["product", "batch"])
+def test_bad_input_from_a_real_process(args, message):
+    result = meshlm(*args, timeout=120)
+    assert result.returncode == 2, result.stderr
+    err = result.stderr.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_help_documents_every_flag():
+    from meshlm.train.loop import TrainConfig
+    import dataclasses
+
+    result = meshlm("train", "--help", timeout=60)
+    assert result.returncode == 0
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata.get("cli", True):
+            assert f"--{f.name}" in result.stdout, f.name
+            assert f.metadata.get("help"), f.name
+
+
+@pytest.mark.slow
+def test_train_end_to_end_on_a_mixed_mesh(tmp_path):
+    """`meshlm train` on 8 simulated devices, 2,2,2,1, a local text corpus with its own BPE: every output is
+    written and the loss falls."""
+    import textwrap, json as json_module  # noqa: E401  (stdlib sources make a learnable little corpus)
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("json", "textwrap"):
+        module = {"json": json_module, "textwrap": textwrap}[name]
+        (corpus / f"{name}.txt").write_text(Path(module.__file__).read_text())
+    out = tmp_path / "run"
+    result = meshlm(
+        "train", "--devices=8", "--mesh_dim=2,2,2,1", "--model=test", "--model.n_layers=1", f"--dataset={corpus}",
+        "--steps=12", "--batch_size=8", "--seq_len=64", "--lr=1e-2", "--log_every=4", f"--output_dir={out}",
+        "--peak_tflops=1", env={"MESHLM_CACHE": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    for r in rows:
+        assert {"step", "loss", "tokens_per_s", "tflops_per_device", "mfu"} <= set(r)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any((out / "tb").iterdir())
+    assert "--mesh_dim=2,2,2,1" in result.stdout
+
+
+def test_mp_mesh_dim_prints_the_equivalent_mesh_dim(tmp_path):
+    result = meshlm(
+        "train", "--devices=8", "--mp_mesh_dim=2,1", "--fsdp", "--model=test", "--model.n_layers=1",
+        "--dataset=synthetic", "--steps=1", "--batch_size=8", "--seq_len=32", f"--output_dir={tmp_path}",
+        "--peak_tflops=1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--mp_mesh_dim=2,1 --fsdp is --mesh_dim=1,4,2,1" in result.stdout
