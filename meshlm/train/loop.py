@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +47,13 @@ class TrainConfig:
     output_dir: str = _flag("outputs/train", "where metrics.jsonl, TensorBoard events and loss.png go")
     log_every: int = _flag(10, "log loss, tokens/s, TFLOP/s per device and MFU every N steps")
     seed: int = _flag(0, "seed for parameters and data order")
+    save_every: int = _flag(0, "save a checkpoint every N steps (0: only at the end); re-running resumes from the newest")
+    keep: int = _flag(3, "how many of the newest checkpoints to keep")
     peak_tflops: float | None = _flag(None, "peak TFLOP/s per device for MFU (default: built-in table, or a matmul probe on CPU)")
 
     def validate(self) -> None:
+        if self.save_every < 0 or self.keep <= 0:
+            raise UsageError("--save_every must be ≥ 0 and --keep ≥ 1")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name}={getattr(self, name)} must be a positive integer")
@@ -72,6 +78,28 @@ def configure_devices(devices: int | None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+class StopRequest:
+    """SIGTERM / SIGINT ask the loop to save at the next step boundary and exit cleanly."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, _frame):
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
 def resolve_dtype(dtype: str) -> str:
     import jax
 
@@ -89,11 +117,12 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     from rich.console import Console
 
     from meshlm import data, mesh as meshlib
+    from meshlm.checkpoint.manager import Checkpointer
     from meshlm.models.configs import describe, resolve_model
     from meshlm.models.placement import place
     from meshlm.train import metrics as M
     from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
-    from meshlm.train.state import create_train_state
+    from meshlm.train.state import abstract_state, create_train_state
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
     console = console or Console()
@@ -141,13 +170,22 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         f"mesh: --mesh_dim={shape} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
         f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
     )
-    state = create_train_state(placement, optimizer, cfg.seed)
+    out = Path(cfg.output_dir)
+    run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "seed": cfg.seed,
+                "train": dataclasses.asdict(cfg)}
+    checkpointer = Checkpointer(out / "checkpoints", keep=cfg.keep, save_every=cfg.save_every)
+    if checkpointer.latest_step() is not None:
+        state, data_state, _ = checkpointer.restore(abstract_state(placement, optimizer), expect_meta=run_meta)
+        loader.restore(data_state)
+        console.print(f"resumed from {checkpointer.directory / str(checkpointer.latest_step())} at step {int(state.step)}")
+    else:
+        state = create_train_state(placement, optimizer, cfg.seed)
+    first_step = int(state.step) + 1
     step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum)
     perm = sequence_permutation(placement, cfg.seq_len)
 
     peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
     console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
-    out = Path(cfg.output_dir)
     is_main = jax.process_index() == 0
     logger = M.MetricsLogger(
         out, flops_per_token=M.model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
@@ -155,25 +193,27 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     )
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(
-            {"train": {k: v for k, v in dataclasses.asdict(cfg).items()}, "model": dataclasses.asdict(model_cfg),
-             "mesh_dim": str(shape)}, indent=2, default=str))
+        (out / "config.json").write_text(json.dumps(run_meta, indent=2, default=str))
+        if hasattr(tokenizer, "path"):
+            tokenizer.save(out / "tokenizer")
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     history: list[dict] = []
     compile_s = None
-    with M.TrainProgress(cfg.steps, enabled=is_main) as progress:
+    stop = StopRequest()
+    saved_at = first_step - 1
+    with stop, M.TrainProgress(cfg.steps, enabled=is_main) as progress:
         t_last, tokens_since = time.perf_counter(), 0
-        for step in range(1, cfg.steps + 1):
+        for step in range(first_step, cfg.steps + 1):
             batch = put_batch(placement, next(loader), perm)
             t0 = time.perf_counter()
             state, step_metrics = step_fn(state, batch)
             tokens_since += tokens_per_step
-            if step == 1:
+            if step == first_step:
                 jax.block_until_ready(step_metrics)
                 compile_s = time.perf_counter() - t0
                 t_last, tokens_since = time.perf_counter(), 0  # throughput excludes the compile
-                console.print(f"compiled and ran step 1 in {compile_s:.1f}s")
+                console.print(f"compiled and ran step {step} in {compile_s:.1f}s")
             if step % cfg.log_every == 0 or step == cfg.steps:
                 host = jax.device_get(step_metrics)  # the only host sync: once per log step
                 now = time.perf_counter()
@@ -189,8 +229,19 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
                 progress.update(step, row)
             else:
                 progress.update(step, None)
+            if checkpointer.should_save(step) or stop.requested or step == cfg.steps:
+                checkpointer.save(step, state, loader.state(), run_meta)
+                saved_at = step
+            if stop.requested:
+                break
+    checkpointer.close()  # waits for the last asynchronous save
     logger.close(title=f"{cfg.model} on --mesh_dim={shape}")
+    if stop.requested:
+        console.print(f"received {stop.requested}: saved a checkpoint at step {saved_at} in "
+                      f"{checkpointer.directory / str(saved_at)}; run the same command to resume")
     summary = {
+        "interrupted": stop.requested,
+        "checkpoint_step": saved_at,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
         "compile_seconds": compile_s,
