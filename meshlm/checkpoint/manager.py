@@ -77,10 +77,14 @@ class Checkpointer:
         try:
             meta = self.meta(step)
         except Exception as e:  # noqa: BLE001  (any unreadable metadata means a broken checkpoint)
-            raise UsageError(f"checkpoint {path} is unreadable ({type(e).__name__}); delete it or pick another step") from None
+            raise _unreadable(path, e) from None
         if expect_meta is not None:
             check_compatible(path, meta, expect_meta)
-        check_shapes(path, self._stored_shapes(step), abstract_state)
+        try:
+            stored = self._stored_shapes(step)
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(path, e) from None
+        check_shapes(path, stored, abstract_state)
         try:
             restored = self._manager.restore(
                 step,
@@ -88,8 +92,8 @@ class Checkpointer:
                     **{STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()}
                 ),
             )
-        except (ValueError, FileNotFoundError, OSError) as e:
-            raise UsageError(f"checkpoint {path} could not be restored: {str(e).splitlines()[0][:300]}") from None
+        except Exception as e:  # noqa: BLE001  (truncated or corrupt files surface as many error types)
+            raise _unreadable(path, e) from None
         return restored[STATE], restored[DATA], restored[META]
 
     def _stored_shapes(self, step: int) -> dict[str, tuple]:
@@ -97,6 +101,14 @@ class Checkpointer:
         tree = getattr(metadata, "tree", metadata)
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
         return {_keystr(path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def _unreadable(path: Path, error: Exception) -> UsageError:
+    first = (str(error).splitlines() or [""])[0][:200]
+    return UsageError(
+        f"checkpoint {path} is incomplete or corrupt ({type(error).__name__}: {first}); "
+        "delete that folder to resume from the one before it"
+    )
 
 
 def _keystr(path) -> str:

@@ -30,6 +30,14 @@ any order works; it skips (query block, key block) pairs whose position ranges s
 are fully masked. Under zigzag the local shard is split into blocks no larger than one chunk,
 so exactly half of the off-diagonal blocks are skipped on every device.
 
+Memory per device is O(T / sp): the local q, k, v, output and their gradients, a second
+buffer for each of k, v, dk, dv (the one in flight: double buffering is what lets transfers
+overlap compute), and one [block_q, block_kv] score block per kv head group. The double
+buffers are the ring's price: with as many kv heads as query heads (MHA) a device of an sp=4
+ring needs about 0.42x the memory of a single device holding the whole sequence, with
+grouped-query attention (4 query heads per kv head) about 0.33x (measured by
+`tests/ops/test_ring.py` and `bench/ring_attention.py`).
+
 Composition. `ring_attention` is called on global arrays under `jit`; it wraps the per-shard
 ring in `jax.shard_map` with the caller's partition specs, so batch and heads may be sharded
 over other mesh axes (dp, fsdp, tp) at the same time. Only `axis_name` is used for
@@ -140,6 +148,8 @@ def _ring_attention_bwd(ring: _Ring, residuals, dout):
     `pending` holds the accumulated (dk, dv) of the shard device r computed with at step i - 1.
     Sending `pending` on makes it arrive exactly where that shard is now (device r + 1), so each
     accumulator rides one hop behind its shard; after the loop one more hop brings it home.
+    (At step 0 the pending accumulator is still zeros, and at the last step the kv shard goes
+    on needlessly: two wasted transfers buy a loop body that is the same at every step.)
     """
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
     delta = attn.output_delta(out, dout)

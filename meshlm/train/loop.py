@@ -19,6 +19,8 @@ from meshlm.errors import UsageError
 
 
 def _flag(default, help: str, **kw):
+    if default is dict:
+        return field(default_factory=dict, metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
