@@ -157,17 +157,16 @@ def check_shape_fits(
     n_kv_heads: int,
     mlp_dim: int,
     vocab_size: int,
-    seq_block: int = 1,
 ) -> str | None:
-    """The first reason this mesh cannot run the job, or None. `seq_block`: the attention block per sp rank."""
+    """The first reason this mesh cannot run the job, or None."""
     if batch_size < shape.data or batch_size % shape.data:
         return (
             f"global batch size {batch_size} is {'smaller than' if batch_size < shape.data else 'not divisible by'} "
             f"dp×fsdp = {shape.data}"
         )
-    if seq_len % (shape.sp * seq_block):
-        what = f"sp×block = {shape.sp}×{seq_block}" if seq_block > 1 else f"sp = {shape.sp}"
-        return f"seq_len {seq_len} is not divisible by {what}"
+    # RingAttention balances causal work by giving each sp rank two of 2×sp equal chunks (zigzag order).
+    if shape.sp > 1 and seq_len % (2 * shape.sp):
+        return f"seq_len {seq_len} is not divisible by 2×sp = {2 * shape.sp} (each ring rank holds two chunks)"
     for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("mlp_dim", mlp_dim), ("vocab_size", vocab_size)):
         if value % shape.tp:
             return f"{name} = {value} is not divisible by tp = {shape.tp}"

@@ -26,7 +26,7 @@ BAD = [
     (["train", "--devices=8", "--mesh_dim=1,a,8,1"], "'a' is not an integer"),
     (["train", "--devices=8", "--mesh_dim=pp:8"], "unknown axis 'pp'"),
     (["train", "--devices=8", "--mesh_dim=1,8,1,1", "--batch_size=1"], "--mesh_dim=1,1,1,8"),
-    (["train", "--devices=8", "--mesh_dim=1,1,1,8", "--seq_len=100"], "seq_len 100 is not divisible by sp = 8"),
+    (["train", "--devices=8", "--mesh_dim=1,1,1,8", "--seq_len=100"], "seq_len 100 is not divisible by 2×sp = 16"),
     (["train", "--devices=8", "--mesh_dim=1,1,8,1", "--model=tiny"], "n_heads = 4 is not divisible by tp = 8"),
     (["train", "--devices=8", "--mp_mesh_dim=3,1"], "does not divide the 8 devices"),
     (["train", "--model=nope"], "neither a preset"),
