@@ -3,14 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install run test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e .
 	touch $(STAMP)
+
+# Test-only: pytest, and Hugging Face transformers on PyTorch CPU as the numerical reference.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0 || echo "PyTorch CPU not installable: the Hugging Face comparison tests will skip"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
@@ -19,10 +26,10 @@ run: install
 	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=150 --batch_size=16 --seq_len=256 \
 		--lr=3e-3 --log_every=10 --output_dir=outputs/run
 
-test: install
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install

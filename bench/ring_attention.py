@@ -53,8 +53,9 @@ B, H, D = 1, 8, 64
 QKV_SPEC, SEQ_SPEC = P(None, "sp", None, None), P(None, "sp")
 
 
-def measure(variants: dict, warmup: int, repeats: int) -> dict:
-    """{name: (fn, args)} -> {name: (median wall seconds, median CPU seconds)} of `fn(*args)`.
+def measure(variants: dict, warmup: int, repeats: int, summary=statistics.median) -> dict:
+    """{name: (fn, args)} -> {name: (wall seconds, CPU seconds)} of `fn(*args)`, each the
+    `summary` (by default the median) of `repeats` timed runs.
 
     Each variant runs `warmup` times first (the first run compiles); the timed runs then
     alternate between variants, so a change in the machine's load hits all of them alike. CPU
@@ -71,7 +72,7 @@ def measure(variants: dict, warmup: int, repeats: int) -> dict:
             jax.block_until_ready(fn(*args))
             samples[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     return {
-        name: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
+        name: (summary([w for w, _ in runs]), summary([c for _, c in runs]))
         for name, runs in samples.items()
     }
 
@@ -112,7 +113,9 @@ def place(arrays, mesh, specs):
 # --------------------------------------------------------------------------------------------
 
 
-def critical_path(t: int, sp: int, block: int, kvh: int, warmup: int, repeats: int) -> dict:
+def critical_path(
+    t: int, sp: int, block: int, kvh: int, warmup: int, repeats: int, summary=statistics.median
+) -> dict:
     """{order: sum over ring steps of the busiest rank's step time} (CPU seconds).
 
     Step `s` on rank `r` is what the ring computes there: `forward_chunk` then `backward_chunk`
@@ -145,7 +148,7 @@ def critical_path(t: int, sp: int, block: int, kvh: int, warmup: int, repeats: i
                 j = (r - s) % sp  # the key shard rank r holds at step s
                 args = (shard(q, r), shard(k, j), shard(v, j), shard(pos, r), shard(pos, j), shard(dout, r))
                 variants[order, r, s] = (ring_step, args)
-    cpu = {key: c for key, (_, c) in measure(variants, warmup, repeats).items()}
+    cpu = {key: c for key, (_, c) in measure(variants, warmup, repeats, summary).items()}
     return {
         order: sum(max(cpu[order, r, s] for r in range(sp)) for s in range(sp))
         for order in ("contiguous", "zigzag")

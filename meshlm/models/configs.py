@@ -139,6 +139,12 @@ def _coerce(name: str, raw: Any, current: Any) -> Any:
 
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """Map a Hugging Face LlamaConfig dict onto a ModelConfig."""
+    rope = hf.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
+    if isinstance(rope, dict):
+        hf = dict(hf)
+        hf.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) != "default" and not hf.get("rope_scaling"):
+            hf["rope_scaling"] = rope
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
         raise UsageError(f"config.json describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported")
@@ -219,6 +225,11 @@ def resolve_model(name_or_path: str, overrides: dict[str, Any] | None = None) ->
         raise UsageError(
             f"--model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path"
         )
+    return apply_overrides(base, overrides)
+
+
+def apply_overrides(base: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    """`--model.FIELD=VALUE` overrides, each coerced to the field's type."""
     fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
     changes = {}
     for key, raw in overrides.items():
@@ -238,4 +249,4 @@ def describe(cfg: ModelConfig) -> str:
     )
 
 
-__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "resolve_model", "from_hf_config", "to_hf_config", "describe"]
+__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "resolve_model", "apply_overrides", "from_hf_config", "to_hf_config", "describe"]

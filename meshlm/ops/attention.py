@@ -133,10 +133,19 @@ def _tokens_major(x):
     return jnp.moveaxis(x, 3, 1)
 
 
+def _if(needed, fn, carry):
+    """`fn(carry)` if `needed` (a traced bool) else `carry` unchanged: how masked work is skipped."""
+    return lax.cond(needed, fn, lambda c: c, carry)
+
+
+def _dot(subscripts, a, b):
+    """einsum with float32 accumulation."""
+    return jnp.einsum(subscripts, a, b, preferred_element_type=_F32)
+
+
 def _scores(q_blk, k_blk):
     """[B,KVH,G,tq,D] x [B,tk,KVH,D] -> float32 scores [B,KVH,G,tq,tk], scaled by 1/sqrt(D)."""
-    s = jnp.einsum("bhgqd,bkhd->bhgqk", q_blk, k_blk, preferred_element_type=_F32)
-    return s * (1.0 / math.sqrt(q_blk.shape[-1]))
+    return _dot("bhgqd,bkhd->bhgqk", q_blk, k_blk) * (1.0 / math.sqrt(q_blk.shape[-1]))
 
 
 def _slice(x, start, size, axis):
@@ -208,7 +217,7 @@ def _online_softmax_step(state: SoftmaxState, s, v_blk) -> SoftmaxState:
     p = jnp.exp(s - m_safe[..., None])
     rescale = jnp.exp(state.m - m_safe)  # how much the old running sums shrink
     l = state.l * rescale + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32)
+    pv = _dot("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk)
     acc = state.acc * rescale[..., None] + pv
     return SoftmaxState(acc, m_new, l)
 
@@ -222,41 +231,46 @@ def forward_chunk(
 
     q [B,T,KVH,G,D], k/v [B,S,KVH,D], positions/segments [B,T] / [B,S]. Loops
     over query blocks and, inside, key blocks; a (query block, key block) pair whose mask is
-    all False is skipped by `lax.cond` (decided from position ranges, so the order of tokens
-    does not matter). Peak extra memory is one [B,KVH,G,block_q,block_kv] score block.
+    all False is skipped by `lax.cond`, and so is a query block with nothing to attend in the
+    whole chunk (decided from position ranges, so the order of tokens does not matter). Peak
+    extra memory is one [B,KVH,G,block_q,block_kv] score block.
     """
     t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
 
     def per_query_block(i, state):
         q0 = i * bq
-        q_blk = _heads_major(_slice(q, q0, bq, 1))
         qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
-        blk_state = SoftmaxState(
-            _heads_major(_slice(state.acc, q0, bq, 1)),
-            _slice(state.m, q0, bq, 3),
-            _slice(state.l, q0, bq, 3),
-        )
 
-        def per_key_block(j, blk_state):
-            k0 = j * bk
-            kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
+        def attend_row(state):
+            q_blk = _heads_major(_slice(q, q0, bq, 1))
+            blk_state = SoftmaxState(
+                _heads_major(_slice(state.acc, q0, bq, 1)),
+                _slice(state.m, q0, bq, 3),
+                _slice(state.l, q0, bq, 3),
+            )
 
-            def attend(blk_state):
-                scores = _scores(q_blk, _slice(k, k0, bk, 1))
-                mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
-                scores = jnp.where(mask, scores, -jnp.inf)
-                return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 1))
+            def per_key_block(j, blk_state):
+                k0 = j * bk
+                kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
 
-            needed = block_may_attend(qp, kp, qs, ks, causal)
-            return lax.cond(needed, attend, lambda st: st, blk_state)
+                def attend(blk_state):
+                    scores = _scores(q_blk, _slice(k, k0, bk, 1))
+                    mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
+                    scores = jnp.where(mask, scores, -jnp.inf)
+                    return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 1))
 
-        blk_state = lax.fori_loop(0, s // bk, per_key_block, blk_state)
-        return SoftmaxState(
-            _update(state.acc, _tokens_major(blk_state.acc), q0, 1),
-            _update(state.m, blk_state.m, q0, 3),
-            _update(state.l, blk_state.l, q0, 3),
-        )
+                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, blk_state)
+
+            blk_state = lax.fori_loop(0, s // bk, per_key_block, blk_state)
+            return SoftmaxState(
+                _update(state.acc, _tokens_major(blk_state.acc), q0, 1),
+                _update(state.m, blk_state.m, q0, 3),
+                _update(state.l, blk_state.l, q0, 3),
+            )
+
+        # A query block with nothing to attend in this chunk skips even its setup.
+        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, state)
 
     return lax.fori_loop(0, t // bq, per_query_block, state)
 
@@ -290,39 +304,43 @@ def backward_chunk(
     scale = 1.0 / math.sqrt(q.shape[-1])
 
     def per_query_block(i, grads):
-        dq, dk, dv = grads
         q0 = i * bq
-        q_blk, do_blk = _heads_major(_slice(q, q0, bq, 1)), _heads_major(_slice(dout, q0, bq, 1))
-        lse_blk, delta_blk = _slice(lse, q0, bq, 3), _slice(delta, q0, bq, 3)
         qp, qs = _slice(q_pos, q0, bq, 1), _slice_opt(q_seg, q0, bq, 1)
 
-        def per_key_block(j, carry):
-            k0 = j * bk
-            kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
+        def attend_row(grads):
+            dq, dk, dv = grads
+            q_blk = _heads_major(_slice(q, q0, bq, 1))
+            do_blk = _heads_major(_slice(dout, q0, bq, 1))
+            lse_blk, delta_blk = _slice(lse, q0, bq, 3), _slice(delta, q0, bq, 3)
 
-            def attend(carry):
-                dq_blk, dk, dv = carry
-                k_blk, v_blk = _slice(k, k0, bk, 1), _slice(v, k0, bk, 1)
-                mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
-                # Masked entries (and rows with lse = -inf, which are fully masked) give p = 0.
-                p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk) - lse_blk[..., None]), 0.0)
-                dv_blk = jnp.einsum(
-                    "bhgqk,bhgqd->bkhd", p.astype(do_blk.dtype), do_blk, preferred_element_type=_F32
-                )
-                dp = jnp.einsum("bhgqd,bkhd->bhgqk", do_blk, v_blk, preferred_element_type=_F32)
-                ds = (p * (dp - delta_blk[..., None]) * scale).astype(q.dtype)
-                dq_blk += jnp.einsum("bhgqk,bkhd->bhgqd", ds, k_blk, preferred_element_type=_F32)
-                dk_blk = jnp.einsum("bhgqk,bhgqd->bkhd", ds, q_blk, preferred_element_type=_F32)
-                dk = _update(dk, _slice(dk, k0, bk, 1) + dk_blk, k0, 1)
-                dv = _update(dv, _slice(dv, k0, bk, 1) + dv_blk, k0, 1)
-                return dq_blk, dk, dv
+            def per_key_block(j, carry):
+                k0 = j * bk
+                kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
 
-            needed = block_may_attend(qp, kp, qs, ks, causal)
-            return lax.cond(needed, attend, lambda c: c, carry)
+                def attend(carry):
+                    dq_blk, dk, dv = carry
+                    k_blk, v_blk = _slice(k, k0, bk, 1), _slice(v, k0, bk, 1)
+                    mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
+                    # Masked entries (and rows with lse = -inf: fully masked) give p = 0.
+                    p = jnp.exp(_scores(q_blk, k_blk) - lse_blk[..., None])
+                    p = jnp.where(mask, p, 0.0)
+                    dv_blk = _dot("bhgqk,bhgqd->bkhd", p.astype(do_blk.dtype), do_blk)
+                    dp = _dot("bhgqd,bkhd->bhgqk", do_blk, v_blk)
+                    ds = (p * (dp - delta_blk[..., None]) * scale).astype(q.dtype)
+                    dq_blk += _dot("bhgqk,bkhd->bhgqd", ds, k_blk)
+                    dk_blk = _dot("bhgqk,bhgqd->bkhd", ds, q_blk)
+                    dk = _update(dk, _slice(dk, k0, bk, 1) + dk_blk, k0, 1)
+                    dv = _update(dv, _slice(dv, k0, bk, 1) + dv_blk, k0, 1)
+                    return dq_blk, dk, dv
 
-        carry = (_heads_major(_slice(dq, q0, bq, 1)), dk, dv)
-        dq_blk, dk, dv = lax.fori_loop(0, s // bk, per_key_block, carry)
-        return _update(dq, _tokens_major(dq_blk), q0, 1), dk, dv
+                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, carry)
+
+            carry = (_heads_major(_slice(dq, q0, bq, 1)), dk, dv)
+            dq_blk, dk, dv = lax.fori_loop(0, s // bk, per_key_block, carry)
+            return _update(dq, _tokens_major(dq_blk), q0, 1), dk, dv
+
+        # A query block with nothing to attend in this chunk skips even its setup.
+        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, grads)
 
     return lax.fori_loop(0, t // bq, per_query_block, tuple(grads))
 
@@ -353,7 +371,7 @@ def dot_product_attention(
     p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m))  # masked -> exactly 0
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l > 0, l, 1.0)  # a row with nothing to attend stays all 0
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+    out = _dot("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
     return ungroup_queries(out).astype(q.dtype)
 
 

@@ -30,7 +30,8 @@ class TrainConfig:
     mp_mesh_dim: str | None = _flag(None, "EasyLM form: model-parallel sizes tp,sp only; data parallelism is inferred")
     fsdp: bool = _flag(False, "with --mp_mesh_dim: shard parameters over the data axis too (fsdp instead of dp)")
     devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only)")
-    model: str = _flag("tiny", "preset name or path of a Hugging Face config.json; fields via --model.FIELD=VALUE")
+    model: str | None = _flag(None, "preset name or path of a Hugging Face config.json (default: tiny, or the --init_from model); fields via --model.FIELD=VALUE")
+    init_from: str | None = _flag(None, "start from these weights: hf:DIR (a Hugging Face LLaMA folder) or a meshlm convert/export folder")
     model_overrides: dict = _flag(dict, "set by --model.FIELD=VALUE", cli=False)
     steps: int = _flag(200, "optimizer steps to take (steps count from 1)")
     batch_size: int = _flag(8, "global batch size in sequences (all devices, all micro-batches)")
@@ -120,17 +121,28 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
 
     from meshlm import data, mesh as meshlib
     from meshlm.checkpoint.manager import Checkpointer
-    from meshlm.models.configs import describe, resolve_model
+    from meshlm.models.configs import apply_overrides, describe, resolve_model
     from meshlm.models.placement import place
     from meshlm.train import metrics as M
     from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
-    from meshlm.train.state import abstract_state, create_train_state
+    from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
     console = console or Console()
-    model_cfg = resolve_model(cfg.model, cfg.model_overrides).replace(
-        dtype=resolve_dtype(cfg.dtype), param_dtype=cfg.param_dtype, remat=cfg.remat
-    )
+    init_source = None
+    if cfg.init_from:
+        from meshlm.checkpoint.hf import parse_init_from, read_model_config
+
+        init_source = parse_init_from(cfg.init_from)
+    if cfg.model or init_source is None:
+        model_cfg = resolve_model(cfg.model or "tiny", cfg.model_overrides)
+    else:
+        model_cfg = apply_overrides(read_model_config(init_source), cfg.model_overrides)
+    model_cfg = model_cfg.replace(dtype=resolve_dtype(cfg.dtype), param_dtype=cfg.param_dtype, remat=cfg.remat)
+    tokenizer_spec = cfg.tokenizer
+    if tokenizer_spec is None and init_source is not None:
+        found = [d for d in (init_source, init_source / "tokenizer") if (d / "tokenizer.json").is_file()]
+        tokenizer_spec = str(found[0]) if found else None
     n_devices = jax.device_count()
     shape = meshlib.resolve_mesh_shape(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, n_devices)
     if cfg.mp_mesh_dim:
@@ -148,7 +160,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         raise UsageError(f"--seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; "
                          "raise --model.max_seq_len or shorten --seq_len")
 
-    tokenizer = data.load_tokenizer(cfg.tokenizer, cfg.dataset, model_cfg.vocab_size)
+    tokenizer = data.load_tokenizer(tokenizer_spec, cfg.dataset, model_cfg.vocab_size)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UsageError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_cfg.vocab_size}; "
@@ -167,7 +179,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm,
     )
     optimizer = make_optimizer(opt_cfg)
-    console.print(f"model: {cfg.model} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
+    console.print(f"model: {cfg.model or init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
     console.print(
         f"mesh: --mesh_dim={shape} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
         f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
@@ -180,6 +192,11 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         state, data_state, _ = checkpointer.restore(abstract_state(placement, optimizer), expect_meta=run_meta)
         loader.restore(data_state)
         console.print(f"resumed from {checkpointer.directory / str(checkpointer.latest_step())} at step {int(state.step)}")
+    elif init_source is not None:
+        from meshlm.checkpoint.hf import load_params
+
+        state = train_state_from_params(placement, optimizer, load_params(init_source, placement))
+        console.print(f"initialised from {init_source}")
     else:
         state = create_train_state(placement, optimizer, cfg.seed)
     first_step = int(state.step) + 1
@@ -219,9 +236,10 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
             if step % cfg.log_every == 0 or step == cfg.steps:
                 host = jax.device_get(step_metrics)  # the only host sync: once per log step
                 now = time.perf_counter()
+                first = step == first_step  # its time is the compile: throughput is honest, not useful
                 row = logger.log(
-                    step, loss=float(host["loss"]), tokens=tokens_since or tokens_per_step,
-                    seconds=max(now - t_last, 1e-9),
+                    step, loss=float(host["loss"]), tokens=tokens_per_step if first else tokens_since,
+                    seconds=compile_s if first else max(now - t_last, 1e-9),
                     extra={"lr": float(host.get("lr", 0.0)), "grad_norm": float(host["grad_norm"])},
                 )
                 history.append(row)
@@ -237,7 +255,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
             if stop.requested:
                 break
     checkpointer.close()  # waits for the last asynchronous save
-    logger.close(title=f"{cfg.model} on --mesh_dim={shape}")
+    logger.close(title=f"{cfg.model or init_source or 'tiny'} on --mesh_dim={shape}")
     if stop.requested:
         console.print(f"received {stop.requested}: saved a checkpoint at step {saved_at} in "
                       f"{checkpointer.directory / str(saved_at)}; run the same command to resume")

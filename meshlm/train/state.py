@@ -43,3 +43,9 @@ def create_train_state(placement: Placement, optimizer: optax.GradientTransforma
         return TrainState(jax.numpy.zeros((), "int32"), params, optimizer.init(params))
 
     return jax.jit(init, out_shardings=state_shardings(placement, optimizer))()
+
+
+def train_state_from_params(placement: Placement, optimizer: optax.GradientTransformation, params: Any) -> TrainState:
+    """A fresh optimizer around given (already sharded) parameters, e.g. Hugging Face weights to fine-tune."""
+    init = lambda p: TrainState(jax.numpy.zeros((), "int32"), p, optimizer.init(p))  # noqa: E731
+    return jax.jit(init, out_shardings=state_shardings(placement, optimizer), donate_argnums=0)(params)

@@ -1,5 +1,7 @@
 """Blockwise (flash) attention against the plain reference: values, gradients, masking, memory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,11 +106,10 @@ def test_reference_decode_against_a_kv_cache():
 
 def test_blockwise_bf16_keeps_dtype_and_is_close():
     q, k, v, dout, pos, _ = make_inputs(2, t=64)
-    to_bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    out = blockwise_attention(
-        to_bf16(q), to_bf16(k), to_bf16(v), q_positions=pos, kv_positions=pos, block_q=16, block_kv=16
-    )
-    want = dot_product_attention(q, k, v, q_positions=pos, kv_positions=pos)
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    attend = functools.partial(blockwise_attention, block_q=16, block_kv=16)
+    out = jax.jit(attend)(*bf16, q_positions=pos, kv_positions=pos)
+    want = jax.jit(dot_product_attention)(q, k, v, q_positions=pos, kv_positions=pos)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2)
 
@@ -116,8 +117,8 @@ def test_blockwise_bf16_keeps_dtype_and_is_close():
 def test_block_sizes_are_clamped_and_checked():
     q, k, v, _, pos, _ = make_inputs(3, t=48)
     kw = dict(q_positions=pos, kv_positions=pos)
-    want = dot_product_attention(q, k, v, **kw)
-    got = blockwise_attention(q, k, v, **kw, block_q=512, block_kv=512)  # clamped to 48
+    want = jax.jit(dot_product_attention)(q, k, v, **kw)
+    got = jax.jit(blockwise_attention)(q, k, v, **kw)  # blocks of 512 clamped to 48
     np.testing.assert_allclose(got, want, atol=ATOL)
     with pytest.raises(ValueError, match="divisible"):
         blockwise_attention(q, k, v, **kw, block_q=32)

@@ -131,9 +131,11 @@ def test_zigzag_balances_causal_work_and_skips_masked_blocks():
 def ring_bytes(sp, t, h, kvh, d, block):
     """Per-device bytes (arguments + outputs + temporaries) of a compiled ring forward + backward."""
     mesh = make_mesh((1, 1, 1, sp))
-    x, kv = (jax.ShapeDtypeStruct((1, t, n, d), jnp.float32, sharding=NamedSharding(mesh, QKV_SPEC)) for n in (h, kvh))
-    pos = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=NamedSharding(mesh, SEQ_SPEC))
-    kw = dict(mesh=mesh, axis_name="sp", qkv_spec=QKV_SPEC, seq_spec=SEQ_SPEC, block_q=block, block_kv=block)
+    qkv_sharding, seq_sharding = NamedSharding(mesh, QKV_SPEC), NamedSharding(mesh, SEQ_SPEC)
+    x, kv = (jax.ShapeDtypeStruct((1, t, n, d), jnp.float32, sharding=qkv_sharding) for n in (h, kvh))
+    pos = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=seq_sharding)
+    kw = dict(mesh=mesh, axis_name="sp", qkv_spec=QKV_SPEC, seq_spec=SEQ_SPEC)
+    kw.update(block_q=block, block_kv=block)
 
     def loss(q, k, v, pos, dout):
         return jnp.sum(ring_attention(q, k, v, q_positions=pos, kv_positions=pos, **kw) * dout)
