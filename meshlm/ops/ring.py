@@ -191,12 +191,14 @@ def _axes(entry) -> tuple:
 def ring_block_size(requested: int, local_len: int, causal: bool) -> int:
     """Block size used on a local shard of `local_len` tokens.
 
-    Clamped to the shard and, when causal, to half of it, so a zigzag shard (two chunks of
-    different positions) is split into at least two blocks and the masked half can be skipped.
+    The largest divisor of the shard (of half the shard when causal) that is at most `requested`:
+    a zigzag shard (two chunks of different positions) is then split into at least two blocks so
+    the masked half can be skipped, and any seq_len divisible by 2 × sp works.
     """
-    block = min(requested, local_len)
-    if causal and local_len % 2 == 0 and block > local_len // 2:
-        block = local_len // 2
+    span = local_len // 2 if causal and local_len % 2 == 0 else local_len
+    block = min(requested, span)
+    while span % block:
+        block -= 1
     return block
 
 
