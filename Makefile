@@ -23,11 +23,11 @@ install: $(STAMP)
 
 # A tiny LLaMA on Python's own source code, 8 simulated CPU devices, mesh dp=2 fsdp=2 tp=2.
 run: install
-	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=150 --batch_size=16 --seq_len=256 \
+	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=120 --batch_size=8 --seq_len=256 \
 		--lr=3e-3 --log_every=10 --output_dir=outputs/run
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

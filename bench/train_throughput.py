@@ -10,14 +10,19 @@ Both runs happen in this process, after a matmul probe measured in the same run:
    below before JAX is imported), which share the same cores.
 
 Each run does --warmup steps (the first compiles), then times --steps steps one by one (each waits
-for its metrics) and reports the median. MFU = model FLOP/s per device / peak per device, with
-model FLOPs from `model_flops_per_token` (6 x non-embedding params + attention, causal halved) and
-the peak = the probe's FLOP/s divided by the devices in the run: simulated devices split the
-machine, so MFU reads "share of this machine's measured matmul rate" in both runs.
-(`resolve_peak` would divide the probe by `jax.local_device_count()`, i.e. by 8 in this process even
-for the 1-device run, so the benchmark divides by the devices of each run itself.)
+for its metrics) and reports the median; the timed steps of the two runs alternate, so that both
+see the same load from other jobs, and the probe is measured just before and just after them.
+MFU = model FLOP/s per device / peak per device, with model FLOPs from `model_flops_per_token`
+(6 x non-embedding params + attention, causal halved) and the peak = the probe's FLOP/s divided by
+the devices in the run: simulated devices split the machine, so MFU reads "share of this machine's
+measured matmul rate" in both runs. (`resolve_peak` would divide the probe by
+`jax.local_device_count()`, i.e. by 8 in this process even for the 1-device run, so the benchmark
+divides by the devices of each run itself.)
 
 Targets printed against: MFU >= 0.7 on one device; 8-device throughput >= 1-device throughput.
+
+The CPU time of each step (all threads of this process) is printed too: on a machine shared with
+other jobs it tracks the work done better than the wall clock.
 
 Usage: python bench/train_throughput.py [--steps 5] [--warmup 2] [--dtype float32] [--remat none] [--json]
 (about 1-2 minutes on 2 quiet cores; this machine is shared, so compare ratios, not times)
@@ -45,8 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from meshlm.errors import UsageError  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.configs import resolve_model  # noqa: E402
+from meshlm.models.llama import REMAT_POLICIES  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
 from meshlm.train.metrics import matmul_probe, model_flops_per_token  # noqa: E402
 from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer  # noqa: E402
@@ -70,36 +77,40 @@ def synthetic_batch(vocab: int, seed: int = 0) -> dict:
     }
 
 
-def run(cfg, mesh_dim: str, n_devices: int, steps: int, warmup: int) -> dict:
-    """Train `warmup + steps` steps on `mesh_dim` over the first `n_devices` devices; time the last `steps`."""
+def prepare(cfg, mesh_dim: str, n_devices: int, total_steps: int) -> dict:
+    """Build, compile and run the first step on `mesh_dim` over the first `n_devices` devices."""
     shape = parse_mesh_dim(mesh_dim, n_devices)
     mesh = build_mesh(shape, jax.devices()[:n_devices])
     placement = place(cfg, mesh)
-    opt_cfg = OptimizerConfig(total_steps=warmup + steps)
+    opt_cfg = OptimizerConfig(total_steps=total_steps)
     optimizer = make_optimizer(opt_cfg)
-    state = create_train_state(placement, optimizer, seed=0)
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg))
+    run = {"mesh_dim": str(shape), "devices": n_devices, "times": [], "cpu": [], "losses": []}
+    run["state"] = create_train_state(placement, optimizer, seed=0)
     batch = put_batch(placement, synthetic_batch(cfg.vocab_size))
 
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    first = time.perf_counter() - t0  # compile + one step
-    for _ in range(max(warmup - 1, 0)):
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        losses.append(float(jax.device_get(metrics["loss"])))  # waits for the step
-        times.append(time.perf_counter() - t0)
+    def one_step() -> None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        run["state"], metrics = step(run["state"], batch)
+        run["losses"].append(float(jax.device_get(metrics["loss"])))  # waits for the step
+        run["times"].append(time.perf_counter() - t0)
+        run["cpu"].append(time.process_time() - c0)
+
+    one_step()
+    run["first_step_s"] = run["times"][0]  # compile + one step
+    run["step"] = one_step
+    return run
+
+
+def summarize(run: dict, warmup: int) -> dict:
+    times, cpu, losses = run["times"][warmup:], run["cpu"][warmup:], run["losses"]
     return {
-        "mesh_dim": str(shape),
-        "devices": n_devices,
-        "first_step_s": first,
+        "mesh_dim": run["mesh_dim"],
+        "devices": run["devices"],
+        "first_step_s": run["first_step_s"],
         "step_s_median": statistics.median(times),
         "step_s_all": times,
+        "cpu_s_median": statistics.median(cpu),  # CPU seconds of this process per step: its total work
         "loss_first": losses[0],
         "loss_last": losses[-1],
     }
@@ -122,14 +133,33 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
+    try:
+        if args.remat not in REMAT_POLICIES:
+            raise UsageError(f"--remat={args.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+        try:
+            jax.numpy.dtype(args.dtype)
+        except TypeError:
+            raise UsageError(f"--dtype={args.dtype!r} is not a dtype; use float32 or bfloat16") from None
+        parse_mesh_dim(args.mesh_dim, 8)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     cfg = resolve_model("tiny").replace(dtype=args.dtype, remat=args.remat)
     flops_per_step = model_flops_per_token(cfg, SEQ_LEN) * GLOBAL_BATCH * SEQ_LEN
     tokens = GLOBAL_BATCH * SEQ_LEN
 
+    total = args.warmup + args.steps
+    prepared = [prepare(cfg, "1,1,1,1", 1, total), prepare(cfg, args.mesh_dim, 8, total)]
+    for _ in range(args.warmup - 1):
+        for r in prepared:
+            r["step"]()
     probe_before = matmul_probe(args.dtype)  # FLOP/s of the whole machine (one device uses every core)
-    runs = [run(cfg, "1,1,1,1", 1, args.steps, args.warmup), run(cfg, args.mesh_dim, 8, args.steps, args.warmup)]
+    for _ in range(args.steps):  # alternate the two runs, so that both see the same load from other jobs
+        for r in prepared:
+            r["step"]()
     probe_after = matmul_probe(args.dtype)
-    probe = max(probe_before, probe_after)  # best of both: the one less disturbed by other jobs
+    probe = max(probe_before, probe_after)  # the one less disturbed by other jobs
+    runs = [summarize(r, args.warmup) for r in prepared]
 
     for r in runs:
         r["tokens_per_s"] = tokens / r["step_s_median"]
@@ -159,7 +189,8 @@ def main(argv=None) -> int:
           f"(before {probe_before / 1e9:.1f}, after {probe_after / 1e9:.1f}; best used)")
     for r in runs:
         print(f"  mesh {r['mesh_dim']} on {r['devices']} device(s): step {r['step_s_median'] * 1e3:7.0f} ms (median of "
-              f"{args.steps}; compile+first {r['first_step_s']:.1f} s)  {r['tokens_per_s']:8,.0f} tok/s  "
+              f"{args.steps}, CPU {r['cpu_s_median'] * 1e3:.0f} ms; compile+first {r['first_step_s']:.1f} s)  "
+              f"{r['tokens_per_s']:8,.0f} tok/s  "
               f"{r['model_tflops_per_s'] * 1e3:6.1f} GFLOP/s  MFU {r['mfu']:.2f} (peak/device "
               f"{r['peak_flops_per_device'] / 1e9:.1f} GFLOP/s)  loss {r['loss_first']:.3f}->{r['loss_last']:.3f}")
     t = result["targets"]
