@@ -1,0 +1,183 @@
+"""The collectives of one train step on one mesh, predicted from the model's shapes, and their time.
+
+Bytes are payload bytes per device, the measure `meshlm.plan.hlo` reads from compiled programs (the
+buffer a collective is about, unsharded over its group). Notation below: n tokens per device per
+micro-batch, E d_model, a / p bytes of an activation / parameter element, t = tp, s = sp,
+F = fsdp × sp (the axes that shard the weights' embed dimension), W one layer's weights in the
+device's tp shard.
+
+What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
+
+- fsdp (F > 1): every layer's weights and norm scales are all-gathered over F in the forward pass
+  and again in the backward pass (ZeRO-3: nothing gathered is kept); the gradients are
+  reduce-scattered over F (W·p), then the shard is all-reduced over dp. The embedding table is
+  gathered once (the lookup wants its embed dimension whole) and the output head once, plus once
+  more in the backward pass when t > 1.
+- tp (t > 1): the row-parallel projections (attention out, MLP down) all-reduce their [n, E]
+  output in the forward pass; in the backward pass the column-parallel ones all-reduce the gradient
+  of their input (3 for q/k/v, 2 for gate/up). The vocab-parallel embedding lookup, the output
+  head's input gradient and the softmax statistics (max, sum, target logit) add a few more.
+- sp (s > 1): RingAttention sends k, v around the ring s times forward; backward sends k, v, their
+  positions and segment ids and two float32 gradient accumulators s times, then the accumulators
+  one last hop. The forward pass sends positions and segment ids once per step (the same for every
+  layer, so XLA hoists them out of the layer loop).
+- gradients that are sums over tokens of a replicated weight (norm scales, the embedding table)
+  are all-reduced over the batch axes (dp × fsdp) and, separately, over sp.
+- remat: recomputing a layer repeats its forward all-reduce of the attention output (policies
+  `full` and `save_qkv_attn`) and its forward ring (policies `full` and `save_dots`, which keep no
+  attention output).
+
+A `reduce-scatter` here may appear in a CPU-compiled program as all-reduce + slice; its payload is
+the same, its wire time is not (see `wire_seconds`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshlm.mesh import AXES, MeshShape
+from meshlm.plan.hardware import Hardware
+from meshlm.plan.job import Job, Local
+
+RECOMPUTES_ATTN_OUT = ("full", "save_qkv_attn")
+RECOMPUTES_RING = ("full", "save_dots")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all-gather, reduce-scatter, all-reduce, collective-permute
+    axes: tuple[str, ...]  # mesh axes of one group
+    payload: float  # bytes per execution
+    count: int  # executions per step
+    op: str  # the operator it serves (a row of the operator table)
+    what: str  # why it is there, for people
+    overlappable: bool = True  # False: the next computation waits for it (tp all-reduces)
+
+    @property
+    def total(self) -> float:
+        return self.payload * self.count
+
+    def group(self, shape: MeshShape) -> int:
+        sizes = shape.as_dict()
+        return math.prod(sizes[a] for a in self.axes)
+
+
+def predict(job: Job, shape: MeshShape) -> list[Collective]:
+    """Every collective of one step on this mesh (groups of one device are left out)."""
+    loc = job.local(shape)
+    sizes = shape.as_dict()
+    cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
+    a, p, n, E = job.act_bytes, job.param_bytes, loc.tokens, cfg.d_model
+    F = ("fsdp", "sp")
+    batch_axes = ("dp", "fsdp")
+    out: list[Collective] = []
+
+    def add(kind, axes, payload, count, op, what, overlappable=True):
+        axes = tuple(x for x in axes if sizes[x] > 1)
+        if axes and payload > 0 and count > 0:
+            out.append(Collective(kind, axes, float(payload), count, op, what, overlappable))
+
+    fsdp_on = sizes["fsdp"] * sizes["sp"] > 1
+    layer_weights = {"attn.qkv": loc.w_qkv, "attn.out": loc.w_out, "mlp.in": loc.w_mlp_in, "mlp.down": loc.w_mlp_out}
+    for op, w in layer_weights.items():
+        if fsdp_on:
+            add("all-gather", F, w * p, 2 * L * A, op, "fsdp: gather weights (forward and backward)")
+            add("reduce-scatter", F, w * p, L * A, op, "fsdp: reduce-scatter weight gradients")
+            add("all-reduce", ("dp",), w * p / (sizes["fsdp"] * sizes["sp"]), L * A, op, "dp: all-reduce gradient shards")
+        else:
+            add("all-reduce", ("dp",), w * p, L * A, op, "dp: all-reduce weight gradients")
+    # Norm scales: gathered like weights, gradients are sums over tokens.
+    add("all-gather", F, 2 * E * p, 2 * L * A, "norms", "fsdp: gather norm scales")
+    add("all-gather", F, E * p, 2 * A, "norms", "fsdp: gather the final norm scale")
+    for axes in (batch_axes, ("sp",)):
+        add("all-reduce", axes, (2 * L + 1) * E * p, A, "norms", "sum norm-scale gradients over tokens")
+
+    # Embedding table and output head.
+    table = loc.w_table * p
+    add("all-gather", F, table, A, "embed", "fsdp: gather the embedding table for the lookup")
+    add("all-reduce", ("tp",), n * E * p, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
+    for axes in (batch_axes, ("sp",)):
+        add("all-reduce", axes, table, A, "embed", "sum embedding-table gradients over tokens")
+    if not cfg.tie_embeddings:
+        add("all-gather", F, table, A * (2 if sizes["tp"] > 1 else 1), "lm_head", "fsdp: gather the output head")
+        if fsdp_on:
+            add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
+            add("all-reduce", ("dp",), table / (sizes["fsdp"] * sizes["sp"]), A, "lm_head", "dp: all-reduce gradient shards")
+        else:
+            add("all-reduce", ("dp",), table, A, "lm_head", "dp: all-reduce head gradients")
+    add("all-reduce", ("tp",), n * E * a, A, "lm_head", "tp: input gradient of the vocab-parallel head", False)
+    add("all-reduce", ("tp",), 3 * n * 4, A, "loss", "tp: softmax max, sum and target logit over vocab shards", False)
+
+    # Tensor parallelism inside each layer.
+    recompute = 1 if cfg.remat in RECOMPUTES_ATTN_OUT else 0
+    add("all-reduce", ("tp",), n * E * a, (1 + recompute) * L * A, "attn.out", "tp: sum partial outputs", False)
+    add("all-reduce", ("tp",), n * E * a, L * A, "mlp.down", "tp: sum partial outputs", False)
+    add("all-reduce", ("tp",), 3 * n * E * a, L * A, "attn.qkv", "tp: sum input gradients of q, k, v", False)
+    add("all-reduce", ("tp",), 2 * n * E * a, L * A, "mlp.in", "tp: sum input gradients of gate, up", False)
+
+    # RingAttention.
+    s = sizes["sp"]
+    if s > 1:
+        kv, kv32, ids = n * loc.kv_heads * cfg.head_dim * a, n * loc.kv_heads * cfg.head_dim * 4, n * 4
+        rings = 2 if cfg.remat in RECOMPUTES_RING else 1
+        add("collective-permute", ("sp",), 2 * kv, s * L * A * rings, "attention", "ring: pass k, v (forward)")
+        add("collective-permute", ("sp",), 2 * ids, s * A, "attention", "ring: pass positions, segment ids (forward)")
+        add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, s * L * A, "attention",
+            "ring: pass k, v, ids and dk, dv accumulators (backward)")
+        add("collective-permute", ("sp",), 2 * kv32, L * A, "attention", "ring: send dk, dv home")
+    return out
+
+
+def total_bytes(collectives: list[Collective]) -> dict[str, float]:
+    """Payload bytes per step by kind (reduce-scatter counted with all-reduce, as CPU programs show it)."""
+    out = {"all-gather": 0.0, "all-reduce": 0.0, "collective-permute": 0.0}
+    for c in collectives:
+        out["all-reduce" if c.kind == "reduce-scatter" else c.kind] += c.total
+    out["total"] = sum(out.values())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ time
+
+
+def axis_split(shape: MeshShape, hw: Hardware) -> dict[str, tuple[int, int]]:
+    """(devices inside one fast domain, fast domains) along each mesh axis.
+
+    Devices are laid out with the last axis fastest-varying (sp, then tp, fsdp, dp), so the
+    communication-heavy model axes sit inside a server or slice and data axes span them.
+    """
+    inner = 1
+    out = {}
+    for axis in reversed(AXES):
+        size = shape.as_dict()[axis]
+        room = max(1, hw.fast_domain // inner)
+        fast = math.gcd(size, room)
+        out[axis] = (fast, size // fast)
+        inner *= size
+    return out
+
+
+def wire_seconds(c: Collective, shape: MeshShape, hw: Hardware) -> float:
+    """Seconds one device spends on this collective per step (bandwidth term, ring algorithms).
+
+    all-gather / reduce-scatter move payload·(g-1)/g per device, all-reduce twice that; a group
+    spanning fast domains runs hierarchically: the fast part over the fast link, then 1/g_fast of
+    the payload over the slow link. A permute sends its payload once, over the slow link if the ring
+    leaves the fast domain.
+    """
+    split = axis_split(shape, hw)
+    g_fast = math.prod(split[a][0] for a in c.axes)
+    g_slow = math.prod(split[a][1] for a in c.axes)
+    if c.kind == "collective-permute":
+        seconds = c.payload / (hw.slow_bandwidth if g_slow > 1 else hw.fast_bandwidth)
+    else:
+        factor = 2.0 if c.kind == "all-reduce" else 1.0
+        seconds = factor * (c.payload * (g_fast - 1) / g_fast / hw.fast_bandwidth
+                            + c.payload / g_fast * (g_slow - 1) / g_slow / hw.slow_bandwidth)
+    return seconds * c.count
+
+
+def uses_slow_link(c: Collective, shape: MeshShape, hw: Hardware) -> bool:
+    split = axis_split(shape, hw)
+    return any(split[a][1] > 1 for a in c.axes)

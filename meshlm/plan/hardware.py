@@ -1,0 +1,151 @@
+"""The hardware catalog: what one device can compute, hold and send.
+
+Every figure is per device (one GPU, one TPU chip) and in SI units: FLOP/s, bytes, bytes/s.
+
+Two interconnect domains matter for a mesh:
+
+- the *fast* domain: NVLink/NVSwitch inside a GPU server, ICI inside a TPU slice;
+- the *slow* domain: InfiniBand between GPU servers, the data-centre network (DCN) between slices.
+
+`fast_bandwidth` is what one device can push into a collective running along *one* mesh axis inside
+the fast domain, in one direction. On NVSwitch GPUs that is the GPU's whole NVLink bandwidth in one
+direction. On a TPU torus a mesh axis laid along one ICI axis with wrap-around is a bidirectional
+ring: two links of one-way bandwidth each (MaxText's sharding guide: "comm speed of 1 ICI axis is
+180 GB/s" on v6e, 2 × 90 GB/s). `slow_bandwidth` is one device's share of its host's NICs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from meshlm.errors import UsageError
+from meshlm.train.metrics import detect_peak_flops
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_bf16: float  # dense matmul FLOP/s in bfloat16
+    peak_fp32: float  # dense matmul FLOP/s for float32 inputs at JAX's default precision (TF32 / bf16 passes)
+    hbm_bytes: float  # device memory
+    hbm_bandwidth: float  # device memory bytes/s
+    fast_bandwidth: float  # bytes/s one way, per device, per mesh axis inside the fast domain
+    slow_bandwidth: float  # bytes/s one way, per device, across fast domains
+    fast_domain: int  # devices one fast domain holds (an NVLink server, a TPU slice / pod)
+    devices_per_host: int
+    fast_name: str = "NVLink"
+    slow_name: str = "InfiniBand"
+    source: str = ""
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak matmul FLOP/s for this compute dtype."""
+        return self.peak_fp32 if str(dtype) in ("float32", "fp32", "f32") else self.peak_bf16
+
+    @property
+    def ridge_intensity(self) -> float:
+        """Hardware arithmetic intensity of the fast link: peak bf16 FLOP/s per byte/s (MaxText's ratio)."""
+        return self.peak_bf16 / self.fast_bandwidth
+
+
+def _peaks(device_kind: str) -> tuple[float, float]:
+    """(bf16, fp32) peaks from the datasheet table that MFU logging uses, so the two never disagree."""
+    bf16 = detect_peak_flops(device_kind, "bfloat16")
+    fp32 = detect_peak_flops(device_kind, "float32")
+    assert bf16 and fp32, device_kind
+    return bf16[0], fp32[0]
+
+
+def _gpu(name, kind, hbm, hbm_bw, nvlink, ib, source) -> Hardware:
+    bf16, fp32 = _peaks(kind)
+    return Hardware(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, fast_domain=8, devices_per_host=8, source=source)
+
+
+def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source) -> Hardware:
+    bf16, fp32 = _peaks(kind)
+    return Hardware(name, bf16, fp32, hbm, hbm_bw, 2 * ici_link, dcn_per_chip, fast_domain=pod,
+                    devices_per_host=per_host, fast_name="ICI", slow_name="DCN", source=source)
+
+
+CATALOG: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional (450 one way);
+    # DGX H100: 8 GPUs, 8 x 400 Gb/s ConnectX-7 (50 GB/s per GPU). Peaks: meshlm.train.metrics.PEAK_TABLE.
+    "h100": _gpu("h100", "NVIDIA H100 80GB HBM3", 80e9, 3.35e12, 450e9, 50e9,
+                 "NVIDIA H100 SXM5 and DGX H100 datasheets"),
+    # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; same NVLink 4 and ConnectX-7 as DGX H100.
+    "h200": _gpu("h200", "NVIDIA H200", 141e9, 4.8e12, 450e9, 50e9, "NVIDIA H200 SXM and DGX H200 datasheets"),
+    # NVIDIA A100 SXM4 80GB datasheet: 2,039 GB/s; NVLink 3 600 GB/s bidirectional (300 one way);
+    # DGX A100: 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
+    "a100": _gpu("a100", "NVIDIA A100-SXM4-80GB", 80e9, 2.039e12, 300e9, 25e9,
+                 "NVIDIA A100 SXM4 and DGX A100 datasheets"),
+    # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e and 64 TB/s for 8 GPUs (180 GB, 8 TB/s each); NVLink 5
+    # 1.8 TB/s bidirectional (900 GB/s one way); 8 x 400 Gb/s ConnectX-7. HGX B200 (1,000 W) dense
+    # BF16 2,250 and TF32 1,100 TFLOP/s (the datasheet's 4.5 / 2.2 PFLOP/s are with 2:4 sparsity).
+    "b200": Hardware("b200", 2250e12, 1100e12, 180e9, 8e12, 900e9, 50e9, fast_domain=8, devices_per_host=8,
+                     source="NVIDIA DGX B200 / HGX B200 datasheets"),
+    # TPU figures: Cloud TPU system-architecture pages (peak bf16, HBM, chips per host, pod size) and
+    # "How to Scale Your Model" (Austin et al., 2025), TPU chapter, for ICI one-way bandwidth per link
+    # and DCN (~25 GB/s per host for v4/v5p; v5e hosts 2 x 100 Gb/s, v6e hosts 4 x 200 Gb/s NICs).
+    "tpu-v4": _tpu("tpu-v4", "TPU v4", 32e9, 1.2e12, 45e9, 25e9 / 4, 4096, 4, "Cloud TPU v4 docs; scaling book"),
+    "tpu-v5e": _tpu("tpu-v5e", "TPU v5 lite", 16e9, 8.1e11, 45e9, 25e9 / 8, 256, 8, "Cloud TPU v5e docs; scaling book"),
+    "tpu-v5p": _tpu("tpu-v5p", "TPU v5p", 95e9, 2.76e12, 90e9, 25e9 / 4, 8960, 4, "Cloud TPU v5p docs; scaling book"),
+    "tpu-v6e": _tpu("tpu-v6e", "TPU v6 lite", 32e9, 1.64e12, 90e9, 100e9 / 8, 256, 8,
+                    "Cloud TPU v6e (Trillium) docs; scaling book; MaxText sharding guide"),
+}
+
+NAMES = (*CATALOG, "cpu")
+
+
+def _host_memory_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Measured bytes/s of one large in-memory copy (the best of a few), what simulated collectives do."""
+    import time
+
+    import numpy as np
+
+    src = np.ones(n_bytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best
+
+
+def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
+    """This machine's CPU shared by `n_devices` simulated devices, every figure measured.
+
+    Compute: `meshlm.train.metrics.matmul_probe` (the MFU probe) split evenly among the devices.
+    Memory: physical RAM split evenly. Links: simulated collectives are memory copies, so both
+    domains get the measured copy bandwidth split among the devices.
+    """
+    from meshlm.train.metrics import matmul_probe
+
+    peak = matmul_probe(dtype, size=1024, seconds=0.5) / n_devices
+    copy = memcpy_probe() / n_devices
+    return Hardware("cpu", peak, peak, _host_memory_bytes() / n_devices, copy, copy, copy,
+                    fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
+                    source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy), split over {n_devices} devices")
+
+
+def resolve_hardware(name: str, n_devices: int, dtype: str = "bfloat16", devices_per_host: int | None = None) -> Hardware:
+    """Catalog entry (or the measured CPU) for `--hardware`, with `--devices_per_host` applied."""
+    key = name.strip().lower().replace("_", "-")
+    key = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "trillium": "tpu-v6e"}.get(key, key)
+    if key == "cpu":
+        hw = cpu_hardware(n_devices, dtype)
+    elif key in CATALOG:
+        hw = CATALOG[key]
+    else:
+        raise UsageError(f"--hardware={name}: unknown hardware; choose one of {', '.join(NAMES)}")
+    if devices_per_host is not None:
+        if devices_per_host <= 0:
+            raise UsageError(f"--devices_per_host={devices_per_host} must be a positive integer")
+        # On GPUs NVLink stops at the server; a TPU slice's ICI spans hosts, so only the host size changes.
+        fast = devices_per_host if hw.fast_name == "NVLink" else hw.fast_domain
+        hw = replace(hw, devices_per_host=devices_per_host, fast_domain=fast)
+    return hw

@@ -1,0 +1,102 @@
+"""Exact bytes per device of parameters, gradients and optimizer state on any mesh, without devices.
+
+The model is traced once (`meshlm.models.placement.place` on an abstract mesh: shapes and logical
+axes only), the optimizer state once (`jax.eval_shape` of `optimizer.init`). After that a mesh costs
+only arithmetic: each leaf's local shard is its shape divided by the mesh axes that
+`meshlm.sharding` assigns to its logical axes, exactly as `NamedSharding.shard_shape` computes it
+for the real arrays. Optimizer moments follow their parameter's sharding and counters are
+replicated, as in `meshlm.train.state.state_shardings`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from meshlm import sharding
+from meshlm.mesh import AXES, MeshShape
+from meshlm.models.configs import ModelConfig
+
+
+def abstract_mesh(shape: MeshShape) -> AbstractMesh:
+    """A device-free mesh of this shape: enough for sharding arithmetic and for `place`."""
+    return AbstractMesh(shape.sizes, AXES)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    shape: tuple[int, ...]
+    itemsize: int
+    logical: tuple  # logical axis names of the parameter this leaf follows; None: replicated
+
+
+def _local_elements(leaf: _Leaf, sizes: dict[str, int], strategy: sharding.Strategy) -> int:
+    if leaf.logical is None:
+        return math.prod(leaf.shape)
+    spec = sharding.logical_to_spec(leaf.logical, strategy.params)
+    n = 1
+    for dim, entry in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        n *= dim // math.prod(sizes[a] for a in axes)
+    return n
+
+
+class StateBytes:
+    """Per-device bytes of the train state of one model and optimizer, for any mesh shape."""
+
+    def __init__(self, cfg: ModelConfig, optimizer: optax.GradientTransformation,
+                 strategy: sharding.Strategy = sharding.DEFAULT):
+        from meshlm.models.placement import place
+
+        self.strategy = strategy
+        placement = place(cfg, abstract_mesh(MeshShape()), strategy)
+        params, treedef = jax.tree.flatten(placement.shapes)
+        logical = treedef.flatten_up_to(placement.logical)
+        self.params = [_Leaf(p.shape, np.dtype(p.dtype).itemsize, tuple(spec)) for p, spec in zip(params, logical)]
+        index = jax.tree.unflatten(treedef, list(range(len(params))))
+        opt_shapes = jax.eval_shape(optimizer.init, placement.shapes)
+        follows = optax.tree_map_params(optimizer, lambda _, i: i, opt_shapes, index,
+                                        transform_non_params=lambda _: -1)
+        self.opt = [
+            _Leaf(s.shape, np.dtype(s.dtype).itemsize, self.params[i].logical if i >= 0 else None)
+            for s, i in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(follows))
+        ]
+
+    def _bytes(self, leaves: list[_Leaf], shape: MeshShape) -> int:
+        sizes = shape.as_dict()
+        return sum(_local_elements(leaf, sizes, self.strategy) * leaf.itemsize for leaf in leaves)
+
+    def params_bytes(self, shape: MeshShape) -> int:
+        return self._bytes(self.params, shape)
+
+    def grads_bytes(self, shape: MeshShape) -> int:
+        """Gradients have their parameter's shape, dtype and (after reduction) sharding."""
+        return self.params_bytes(shape)
+
+    def optimizer_bytes(self, shape: MeshShape) -> int:
+        return self._bytes(self.opt, shape)
+
+
+@lru_cache(maxsize=8)
+def state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
+    """Cached `StateBytes` for a model with meshlm's optimizer (AdamW, clipping as `meshlm train`)."""
+    from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+
+    return StateBytes(cfg, make_optimizer(OptimizerConfig()))
+
+
+def real_bytes_per_device(tree) -> int:
+    """Bytes that device 0 holds of a pytree of real (or abstract, sharded) arrays: the test's ground truth."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+__all__ = ["StateBytes", "state_bytes", "abstract_mesh", "real_bytes_per_device", "P"]
