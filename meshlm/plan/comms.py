@@ -12,7 +12,9 @@ What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
   and again in the backward pass (ZeRO-3: nothing gathered is kept); the gradients are
   reduce-scattered over F (W·p), then the shard is all-reduced over dp. The embedding table is
   gathered once (the lookup wants its embed dimension whole) and the output head once, plus once
-  more in the backward pass when t > 1.
+  more in the backward pass when t > 1. Under gradient accumulation these three gathers do not
+  depend on the micro-batch and XLA hoists them out of the accumulation loop; everything else
+  repeats per micro-batch, gradient reductions included.
 - tp (t > 1): the row-parallel projections (attention out, MLP down) all-reduce their [n, E]
   output in the forward pass; in the backward pass the column-parallel ones all-reduce the gradient
   of their input (3 for q/k/v, 2 for gate/up). The vocab-parallel embedding lookup, the output
@@ -89,18 +91,18 @@ def predict(job: Job, shape: MeshShape) -> list[Collective]:
             add("all-reduce", ("dp",), w * p, L * A, op, "dp: all-reduce weight gradients")
     # Norm scales: gathered like weights, gradients are sums over tokens.
     add("all-gather", F, 2 * E * p, 2 * L * A, "norms", "fsdp: gather norm scales")
-    add("all-gather", F, E * p, 2 * A, "norms", "fsdp: gather the final norm scale")
+    add("all-gather", F, E * p, 2, "norms", "fsdp: gather the final norm scale")
     for axes in (batch_axes, ("sp",)):
         add("all-reduce", axes, (2 * L + 1) * E * p, A, "norms", "sum norm-scale gradients over tokens")
 
     # Embedding table and output head.
     table = loc.w_table * p
-    add("all-gather", F, table, A, "embed", "fsdp: gather the embedding table for the lookup")
+    add("all-gather", F, table, 1, "embed", "fsdp: gather the embedding table for the lookup")
     add("all-reduce", ("tp",), n * E * p, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
     for axes in (batch_axes, ("sp",)):
         add("all-reduce", axes, table, A, "embed", "sum embedding-table gradients over tokens")
     if not cfg.tie_embeddings:
-        add("all-gather", F, table, A * (2 if sizes["tp"] > 1 else 1), "lm_head", "fsdp: gather the output head")
+        add("all-gather", F, table, 2 if sizes["tp"] > 1 else 1, "lm_head", "fsdp: gather the output head")
         if fsdp_on:
             add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
             add("all-reduce", ("dp",), table / (sizes["fsdp"] * sizes["sp"]), A, "lm_head", "dp: all-reduce gradient shards")

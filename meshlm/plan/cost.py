@@ -1,0 +1,193 @@
+"""The operator table and the step-time model.
+
+Each large operator of a step is written in sharding notation, MaxText style: a dimension's letter
+with the mesh axes that split it as a subscript, e.g. on mesh dp=2, fsdp=4, tp=2
+
+    attn.out   B_dp,fsdp T H_tp D @ H_tp D E_fsdp = B_dp,fsdp T E  → all-reduce over tp
+
+(B batch, T length, E d_model, H / K query / kv heads, D head_dim, M MLP width, V vocab). The
+subscripts come from the strategy tables in `meshlm.sharding`, so the notation is the layout the
+program really has.
+
+Arithmetic intensity of an operator and one of its links = FLOPs / bytes sent over that link,
+with bytes counted as MaxText's sharding guide does: the payload, twice for an all-reduce (two
+passes). The operator is communication-bound on that link when its intensity is below the
+hardware's: peak FLOP/s / link bytes/s. Example, the guide's worked case: a row-parallel matmul
+B M_x @ M_x E = B E, reduce-scattered over x, does 2·B·M_x·E FLOPs and sends 2·B·E bytes in
+bfloat16: intensity M_x, against 918e12 / 180e9 ≈ 5,100 on TPU v6e.
+
+Step time (a roofline with overlap):
+
+    compute   = matmul FLOPs / peak  +  HBM-bound work (norms, softmax, the optimizer) / HBM bandwidth
+    exposed   = tp all-reduces (the next matmul waits for them)
+              + max(0, fsdp / dp / ring traffic - compute)  (these overlap with computation)
+    step      = compute + exposed
+
+On simulated CPU devices collectives are copies on the same cores, so nothing overlaps there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshlm import sharding
+from meshlm.mesh import MeshShape
+from meshlm.plan import comms
+from meshlm.plan.hardware import Hardware
+from meshlm.plan.job import Job, Local
+from meshlm.plan.memory import saved_per_token_layer
+from meshlm.plan.state_bytes import abstract_mesh
+from meshlm.train.metrics import model_flops_per_token
+
+_LETTER = {"batch": "B", "length": "T", "embed": "E", "heads": "H", "kv_heads": "K", "head_dim": "D",
+           "mlp": "M", "vocab": "V", "layers": "L"}
+# Forward-pass matmuls are recomputed in the backward pass under these policies (per operator group).
+_RECOMPUTED = {
+    "full": {"attn.qkv", "attention", "attn.out", "mlp.in", "mlp.down"},
+    "save_dots": {"attention"},
+    "save_qkv_attn": {"attn.out", "mlp.in", "mlp.down"},
+    "none": set(),
+}
+
+
+def notation(logical: tuple, table, shape: MeshShape) -> str:
+    """`B_dp,fsdp T E` for logical axes ('batch', 'length', 'embed') on this mesh."""
+    spec = sharding.logical_to_spec(logical, table, abstract_mesh(shape))
+    out = []
+    for name, entry in zip(logical, tuple(spec) + (None,) * (len(logical) - len(spec))):
+        letter = _LETTER[name] if name else "?"
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(letter + ("_" + ",".join(axes) if axes else ""))
+    return " ".join(out)
+
+
+@dataclass
+class Operator:
+    """One row of the operator table: per device, per step (all layers, forward and backward)."""
+
+    name: str
+    notation: str
+    flops: float
+    collectives: list[comms.Collective] = field(default_factory=list)
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    intensity: float | None = None  # FLOPs per byte on its busiest link; None without communication
+    ridge: float | None = None  # the hardware's intensity on that link
+    link: str = ""
+    fix: str = ""
+
+    @property
+    def comm_bound(self) -> bool:
+        return self.intensity is not None and self.ridge is not None and self.intensity < self.ridge
+
+
+def _matmul_flops(loc: Local) -> dict[str, float]:
+    """Forward FLOPs per device per micro-batch of each operator group (2 per multiply-add)."""
+    n, c = loc.tokens, loc.cfg
+    causal_span = loc.job.seq_len / 2  # each query attends on average to half the sequence
+    return {
+        "attn.qkv": 2 * n * loc.w_qkv,
+        "attention": 2 * 2 * n * causal_span * loc.heads * c.head_dim,
+        "attn.out": 2 * n * loc.w_out,
+        "mlp.in": 2 * n * loc.w_mlp_in,
+        "mlp.down": 2 * n * loc.w_mlp_out,
+    }
+
+
+def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[comms.Collective]) -> list[Operator]:
+    loc = job.local(shape)
+    cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
+    acts, params = sharding.DEFAULT.activations, sharding.DEFAULT.params
+
+    def nt(kind, *logical):
+        return notation(tuple(logical), acts if kind == "a" else params, shape)
+
+    x = nt("a", "batch", "length", "embed")
+    rows = {
+        "embed": (f"lookup {nt('p', 'vocab', 'embed')} → {nt('a', 'vocab', 'embed')}: {x}", 0.0),
+        "attn.qkv": (f"{x} @ {nt('p', 'embed', 'heads', 'head_dim')} = {nt('a', 'batch', 'length', 'heads', 'head_dim')} (and k, v)", None),
+        "attention": (f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('a', 'batch', 'length', 'kv_heads', 'head_dim')}ᵀ"
+                      + (" (ring over sp)" if shape.sp > 1 else ""), None),
+        "attn.out": (f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('p', 'heads', 'head_dim', 'embed')} = {x}", None),
+        "mlp.in": (f"{x} @ {nt('p', 'embed', 'mlp')} = {nt('a', 'batch', 'length', 'mlp')} (gate, up)", None),
+        "mlp.down": (f"{nt('a', 'batch', 'length', 'mlp')} @ {nt('p', 'mlp', 'embed')} = {x}", None),
+        "lm_head": (f"{x} @ {nt('p', 'embed', 'vocab')} = {nt('a', 'batch', 'length', 'vocab')}",
+                    2 * loc.tokens * loc.w_table * 3 * A),
+        "loss": (f"softmax over {nt('a', 'batch', 'length', 'vocab')}", 0.0),
+        "norms": (f"RMSNorm {nt('p', 'embed')}", 0.0),
+    }
+    fwd = _matmul_flops(loc)
+    recomputed = _RECOMPUTED.get(cfg.remat, set())
+    ops = []
+    for name, (text, flops) in rows.items():
+        if flops is None:
+            flops = fwd[name] * (3 + (name in recomputed)) * L * A
+        op = Operator(name, text, flops, [c for c in collectives if c.op == name])
+        op.compute_s = flops / hw.peak_flops(cfg.dtype)
+        _rate(op, shape, hw, loc)
+        ops.append(op)
+    return ops
+
+
+def _rate(op: Operator, shape: MeshShape, hw: Hardware, loc: Local) -> None:
+    """Times, intensity on the busiest link, and what to change when communication dominates."""
+    if not op.collectives:
+        return
+    by_link: dict[str, list[comms.Collective]] = {}
+    for c in op.collectives:
+        by_link.setdefault("slow" if comms.uses_slow_link(c, shape, hw) else "fast", []).append(c)
+    op.comm_s = sum(comms.wire_seconds(c, shape, hw) for c in op.collectives)
+    link, cs = max(by_link.items(), key=lambda kv: sum(comms.wire_seconds(c, shape, hw) for c in kv[1]))
+    sent = sum(c.total * (2 if c.kind == "all-reduce" else 1) for c in cs)
+    bandwidth = hw.slow_bandwidth if link == "slow" else hw.fast_bandwidth
+    op.link = hw.slow_name if link == "slow" else hw.fast_name
+    op.ridge = hw.peak_flops(loc.cfg.dtype) / bandwidth
+    op.intensity = op.flops / sent if sent else None
+    if op.intensity is not None and op.intensity < op.ridge:
+        op.fix = _fix(op, cs, loc, shape)
+
+
+def _fix(op: Operator, cs: list[comms.Collective], loc: Local, shape: MeshShape) -> str:
+    axes = {a for c in cs for a in c.axes}
+    if "tp" in axes and not axes & {"fsdp", "dp"}:
+        return f"less tp (intensity falls as tp grows: M/tp = {loc.cfg.mlp_dim // shape.tp}); move devices to fsdp"
+    if "sp" in axes and op.name == "attention":
+        return f"less sp or a longer sequence per device (now {loc.length} tokens)"
+    if axes & {"fsdp", "sp"}:
+        return f"more tokens per device (now {loc.tokens}: raise batch_size or seq_len), or less fsdp across hosts"
+    if "dp" in axes:
+        return "fsdp instead of dp (reduce-scatter sends half of an all-reduce) or more tokens per device"
+    return "fewer devices on this axis"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    memory_s: float  # HBM-bound part of compute_s
+    comm_s: float  # all collective time
+    exposed_comm_s: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+
+
+def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[Operator],
+              collectives: list[comms.Collective], params_bytes: int) -> StepTime:
+    loc = job.local(shape)
+    a, p = job.act_bytes, job.param_bytes
+    # Non-matmul work streams each saved activation about three times (forward, backward, recompute)
+    # and the optimizer reads parameter, gradient and both moments and writes three of them back.
+    elementwise = 3 * job.cfg.n_layers * job.grad_accum * loc.tokens * saved_per_token_layer(loc, "none") * a
+    optimizer = 7 * params_bytes
+    memory_s = (elementwise + optimizer) / hw.hbm_bandwidth
+    compute_s = sum(op.compute_s for op in ops) + memory_s
+    serial = sum(comms.wire_seconds(c, shape, hw) for c in collectives if not c.overlappable)
+    background = sum(comms.wire_seconds(c, shape, hw) for c in collectives if c.overlappable)
+    if hw.name == "cpu":
+        exposed = serial + background
+    else:
+        exposed = serial + max(0.0, background - compute_s)
+    step = compute_s + exposed
+    tokens_per_s = job.tokens / step
+    mfu = model_flops_per_token(job.cfg, job.seq_len) * tokens_per_s / (job.n_devices * hw.peak_flops(job.cfg.dtype))
+    return StepTime(compute_s, memory_s, serial + background, exposed, step, tokens_per_s, mfu)
