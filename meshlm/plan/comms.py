@@ -180,6 +180,17 @@ def wire_seconds(c: Collective, shape: MeshShape, hw: Hardware) -> float:
     return seconds * c.count
 
 
-def uses_slow_link(c: Collective, shape: MeshShape, hw: Hardware) -> bool:
+def link_bytes(c: Collective, shape: MeshShape, hw: Hardware) -> dict[str, float]:
+    """Bytes per step this collective puts on each link ('fast', 'slow'), counted as MaxText's guide
+    does for arithmetic intensity: the payload, twice for an all-reduce, and on the slow link only the
+    1/g_fast share that leaves the fast domain."""
     split = axis_split(shape, hw)
-    return any(split[a][1] > 1 for a in c.axes)
+    g_fast = math.prod(split[a][0] for a in c.axes)
+    g_slow = math.prod(split[a][1] for a in c.axes)
+    sent = c.total * (2.0 if c.kind == "all-reduce" else 1.0)
+    out = {}
+    if g_fast > 1:
+        out["fast"] = sent
+    if g_slow > 1:
+        out["slow"] = sent if c.kind == "collective-permute" else sent / g_fast
+    return out

@@ -133,18 +133,20 @@ def _rate(op: Operator, shape: MeshShape, hw: Hardware, loc: Local) -> None:
     """Times, intensity on the busiest link, and what to change when communication dominates."""
     if not op.collectives:
         return
-    by_link: dict[str, list[comms.Collective]] = {}
-    for c in op.collectives:
-        by_link.setdefault("slow" if comms.uses_slow_link(c, shape, hw) else "fast", []).append(c)
     op.comm_s = sum(comms.wire_seconds(c, shape, hw) for c in op.collectives)
-    link, cs = max(by_link.items(), key=lambda kv: sum(comms.wire_seconds(c, shape, hw) for c in kv[1]))
-    sent = sum(c.total * (2 if c.kind == "all-reduce" else 1) for c in cs)
-    bandwidth = hw.slow_bandwidth if link == "slow" else hw.fast_bandwidth
+    per_link: dict[str, float] = {}
+    for c in op.collectives:
+        for link, sent in comms.link_bytes(c, shape, hw).items():
+            per_link[link] = per_link.get(link, 0.0) + sent
+    bandwidth = {"fast": hw.fast_bandwidth, "slow": hw.slow_bandwidth}
+    link = max(per_link, key=lambda k: per_link[k] / bandwidth[k])
     op.link = hw.slow_name if link == "slow" else hw.fast_name
-    op.ridge = hw.peak_flops(loc.cfg.dtype) / bandwidth
-    op.intensity = op.flops / sent if sent else None
-    if op.intensity is not None and op.intensity < op.ridge:
-        op.fix = _fix(op, cs, loc, shape)
+    op.ridge = hw.peak_flops(loc.cfg.dtype) / bandwidth[link]
+    if op.flops > 0:
+        op.intensity = op.flops / per_link[link]
+        if op.intensity < op.ridge:
+            users = [c for c in op.collectives if link in comms.link_bytes(c, shape, hw)]
+            op.fix = _fix(op, users, loc, shape)
 
 
 def _fix(op: Operator, cs: list[comms.Collective], loc: Local, shape: MeshShape) -> str:

@@ -1,0 +1,125 @@
+"""`meshlm plan`: choose --mesh_dim from memory and arithmetic intensity, and check it by compiling.
+
+    meshlm plan --model=llama3-70b --devices=256 --hardware=h100 --batch_size=256 --seq_len=8192 --remat=full
+    meshlm plan --model=tiny --devices=8 --hardware=cpu --verify=3 --png=outputs/plan.png
+    meshlm plan --model=llama3-8b --devices=64 --hardware=tpu-v5p --json > plan.json
+
+Flags shared with `meshlm train` keep its names and meanings. Bad input is one `UsageError` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshlm.errors import UsageError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from meshlm.cli import _Parser
+    from meshlm.plan.hardware import NAMES
+
+    p = _Parser(prog="meshlm plan", description="Rank every dp,fsdp,tp,sp mesh of the devices for one training job.")
+    job = p.add_argument_group("the job (as in meshlm train)")
+    job.add_argument("--model", default="tiny", help="preset or Hugging Face config.json; fields via --model.FIELD=VALUE [default: tiny]")
+    job.add_argument("--batch_size", type=int, default=8, help="global batch size in sequences [default: 8]")
+    job.add_argument("--seq_len", type=int, default=256, help="tokens per sequence [default: 256]")
+    job.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step [default: 1]")
+    job.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on cpu, else bfloat16), float32, bfloat16")
+    job.add_argument("--param_dtype", default="float32", help="parameter and optimizer-state dtype [default: float32]")
+    job.add_argument("--remat", default="none", help="none, full, save_dots, save_qkv_attn [default: none]")
+    job.add_argument("--optimizer", default="adamw", help="adamw (meshlm train's optimizer) [default: adamw]")
+    job.add_argument("--mesh_dim", help="evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1)")
+    hw = p.add_argument_group("the devices")
+    hw.add_argument("--hardware", default="h100", help=f"one of {', '.join(NAMES)} [default: h100]")
+    hw.add_argument("--devices", type=int, help="device count [default: 8, or hosts × devices_per_host]")
+    hw.add_argument("--hosts", type=int, help="servers (GPU) or TPU hosts; with --devices_per_host gives --devices")
+    hw.add_argument("--devices_per_host", type=int, help="devices per host [default: the hardware's, 8 GPUs / 4-8 TPU chips]")
+    out = p.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="meshes to show [default: 10]")
+    out.add_argument("--verify", type=int, default=0, metavar="K", help="compile the best K plans (abstract inputs) and compare")
+    out.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    out.add_argument("--png", metavar="PATH", help="write a chart: memory pie per mesh and predicted step time")
+    return p
+
+
+def _device_count(args) -> int:
+    if args.hosts is not None or args.devices_per_host is not None:
+        if args.hosts is not None and args.hosts <= 0:
+            raise UsageError(f"--hosts={args.hosts} must be a positive integer")
+        if args.hosts is not None and args.devices_per_host is not None:
+            n = args.hosts * args.devices_per_host
+            if args.devices is not None and args.devices != n:
+                raise UsageError(f"--devices={args.devices} but --hosts × --devices_per_host = {n}; give one or make them agree")
+            return n
+    n = 8 if args.devices is None else args.devices
+    if n <= 0:
+        raise UsageError(f"--devices={n} must be a positive integer")
+    return n
+
+
+def _check(args) -> None:
+    for name in ("batch_size", "seq_len", "grad_accum", "top"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name}={getattr(args, name)} must be a positive integer")
+    if args.verify < 0:
+        raise UsageError(f"--verify={args.verify} must be ≥ 0 (the number of plans to compile)")
+    if args.batch_size % args.grad_accum:
+        raise UsageError(f"--batch_size={args.batch_size} is not divisible by --grad_accum={args.grad_accum}")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype={args.dtype}: choose auto, float32 or bfloat16")
+    if args.param_dtype not in ("float32", "bfloat16"):
+        raise UsageError(f"--param_dtype={args.param_dtype}: choose float32 or bfloat16")
+    if args.optimizer != "adamw":
+        raise UsageError(f"--optimizer={args.optimizer}: meshlm trains with adamw only")
+
+
+def run(argv: list[str]) -> int:
+    """Parse flags, plan, print; raises UsageError for bad input (the CLI prints it and exits 2)."""
+    from meshlm.cli import _split_model_overrides
+
+    argv, overrides = _split_model_overrides(list(argv))
+    args = _parser().parse_args(argv)
+    _check(args)
+    n_devices = _device_count(args)
+    if args.verify:
+        from meshlm.train.loop import configure_devices
+
+        configure_devices(n_devices)  # effective only if JAX has not started yet (a fresh process)
+
+    from meshlm.mesh import resolve_mesh_shape
+    from meshlm.models.configs import resolve_model
+    from meshlm.models.llama import REMAT_POLICIES
+    from meshlm.plan import report, search
+    from meshlm.plan.hardware import resolve_hardware
+    from meshlm.plan.job import Job
+
+    if args.remat not in REMAT_POLICIES:
+        raise UsageError(f"--remat={args.remat}: choose one of {', '.join(REMAT_POLICIES)}")
+    hardware_key = args.hardware.strip().lower()
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if hardware_key == "cpu" else "bfloat16")
+    cfg = resolve_model(args.model, overrides).replace(dtype=dtype, param_dtype=args.param_dtype, remat=args.remat)
+    if args.seq_len > cfg.max_seq_len:
+        raise UsageError(f"--seq_len={args.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
+                         "raise --model.max_seq_len or shorten --seq_len")
+    hw = resolve_hardware(args.hardware, n_devices, dtype, args.devices_per_host)
+    job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum)
+    only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices) if args.mesh_dim else None
+    plans, rejected = search.search(job, hw, only)
+
+    if args.verify:
+        from meshlm.plan.verify import verify
+
+        verify(job, plans, args.verify, hw.name)
+    model_flags = [f"--model={args.model}", *(f"--model.{k}={v}" for k, v in overrides.items())]
+    if args.png:
+        path = report.write_png(args.png, job, hw, plans, args.top)
+    if args.json:
+        json.dump(report.to_json(job, hw, plans, rejected, model_flags), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        report.print_report(job, hw, plans, model_flags, args.top)
+        if args.png:
+            print(f"chart: {path}")
+    return 0

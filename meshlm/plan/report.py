@@ -1,0 +1,190 @@
+"""How plans are shown: a terminal table (rich), a JSON document for scripts, a PNG chart (matplotlib)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from meshlm.plan.hardware import Hardware
+from meshlm.plan.job import Job
+from meshlm.plan.search import Plan
+
+PIE = ("params", "gradients", "optimizer", "activations", "temporaries")
+
+
+def train_command(job: Job, plan: Plan, model_flags: list[str]) -> str:
+    """The `meshlm train` line that runs this plan."""
+    parts = ["meshlm train", *model_flags, f"--mesh_dim={plan.mesh_dim}", f"--batch_size={job.batch_size}",
+             f"--seq_len={job.seq_len}"]
+    if job.grad_accum > 1:
+        parts.append(f"--grad_accum={job.grad_accum}")
+    parts += [f"--dtype={job.cfg.dtype}", f"--param_dtype={job.cfg.param_dtype}", f"--remat={job.cfg.remat}"]
+    return " ".join(parts)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g}" if n >= 1e7 else f"{n / 1e9:.2g}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}%"
+
+
+# ------------------------------------------------------------------------------------------- JSON
+
+
+def _operator_json(op) -> dict[str, Any]:
+    return {
+        "name": op.name, "notation": op.notation, "flops_per_device": op.flops,
+        "compute_seconds": op.compute_s, "communication_seconds": op.comm_s,
+        "arithmetic_intensity_flops_per_byte": op.intensity, "hardware_intensity_flops_per_byte": op.ridge,
+        "link": op.link or None, "communication_bound": op.comm_bound, "fix": op.fix or None,
+        "collectives": [{"kind": c.kind, "axes": list(c.axes), "payload_bytes": c.payload, "count_per_step": c.count,
+                         "what": c.what} for c in op.collectives],
+    }
+
+
+def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "rank": rank,
+        "mesh_dim": plan.mesh_dim,
+        "mesh": plan.shape.as_dict(),
+        "command": train_command(job, plan, model_flags),
+        "fits": plan.fits,
+        "axes_inside_fast_domain": {axis: inner for axis, (inner, _) in plan.placement.items()},
+        "predicted": {
+            "memory_bytes_per_device": plan.memory.as_dict(),
+            "temporaries_bytes_per_device": plan.memory.temporaries_detail,
+            "collective_bytes_per_device_per_step": plan.collective_bytes,
+            "step_seconds": plan.time.step_s,
+            "compute_seconds": plan.time.compute_s,
+            "communication_seconds": plan.time.comm_s,
+            "exposed_communication_seconds": plan.time.exposed_comm_s,
+            "tokens_per_second": plan.time.tokens_per_s,
+            "mfu": plan.time.mfu,
+        },
+        "operators": [_operator_json(op) for op in plan.operators],
+    }
+    if plan.compiled:
+        c = plan.compiled
+        out["compiled"] = {
+            "compiled_for": c["compiled_for"],
+            "compile_seconds": c["compile_seconds"],
+            "memory_bytes_per_device": c["peak_memory_bytes"],
+            "collective_bytes_per_device_per_step": c["collective_bytes"],
+        }
+        out["error_percent"] = {"memory_bytes_per_device": c["error_percent"]["peak_memory"],
+                                "collective_bytes_per_device_per_step": c["error_percent"]["collective_bytes"]}
+    return out
+
+
+def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str], model_flags: list[str]) -> dict:
+    c = job.cfg
+    return {
+        "job": {"model": " ".join(model_flags), "parameters": c.num_params(), "n_layers": c.n_layers,
+                "batch_size": job.batch_size, "seq_len": job.seq_len, "grad_accum": job.grad_accum,
+                "devices": job.n_devices, "dtype": c.dtype, "param_dtype": c.param_dtype, "remat": c.remat,
+                "tokens_per_step": job.tokens},
+        "hardware": {"name": hw.name, "peak_flops_per_second": hw.peak_flops(c.dtype), "memory_bytes": hw.hbm_bytes,
+                     "memory_bytes_per_second": hw.hbm_bandwidth, "fast_link": hw.fast_name,
+                     "fast_link_bytes_per_second": hw.fast_bandwidth, "slow_link": hw.slow_name,
+                     "slow_link_bytes_per_second": hw.slow_bandwidth, "fast_domain_devices": hw.fast_domain,
+                     "source": hw.source},
+        "recommended": train_command(job, plans[0], model_flags),
+        "plans": [plan_json(job, p, model_flags, i + 1) for i, p in enumerate(plans)],
+        "rejected_meshes": rejected,
+    }
+
+
+# ------------------------------------------------------------------------------------------- table
+
+
+def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[str], top: int, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or a pipe: wide enough for one row per mesh
+            console = Console(width=160)
+    c = job.cfg
+    console.print(f"[bold]{' '.join(model_flags)}[/]: {c.num_params() / 1e9:.3g}B parameters; batch {job.batch_size} × "
+                  f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
+                  f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB, {hw.fast_name} {hw.fast_bandwidth / 1e9:.3g} GB/s, "
+                  f"{hw.slow_name} {hw.slow_bandwidth / 1e9:.3g} GB/s per device); remat {c.remat}", highlight=False)
+    verified = any(p.compiled for p in plans[:top])
+    table = Table(title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
+                        "(params + gradients + optimizer + activations + temporaries)")
+    for col in ("#", "mesh_dim", "memory", "pie", "fits", "step s", "tokens/s", "MFU", "comm-bound"):
+        table.add_column(col, justify="left" if col in ("mesh_dim", "pie", "comm-bound") else "right")
+    if verified:
+        for col in ("compiled GB", "mem err", "coll err"):
+            table.add_column(col, justify="right")
+    for i, p in enumerate(plans[:top], 1):
+        m = p.memory.as_dict()
+        row = [str(i), p.mesh_dim, _gb(m["total"]), " + ".join(_gb(m[k]) for k in PIE), "yes" if p.fits else "[red]no[/]",
+               f"{p.time.step_s:.3g}", f"{p.time.tokens_per_s:,.0f}", f"{p.time.mfu:.0%}",
+               ", ".join(op.name for op in p.comm_bound) or "-"]
+        if verified:
+            comp = p.compiled
+            row += ([_gb(comp["peak_memory_bytes"]), _pct(comp["error_percent"]["peak_memory"]),
+                     _pct(comp["error_percent"]["collective_bytes"])] if comp else ["", "", ""])
+        table.add_row(*row)
+    console.print(table)
+
+    best = plans[0]
+    ops = Table(title=f"operators of --mesh_dim={best.mesh_dim}, per device per step "
+                      "(intensity: FLOPs per byte sent on its busiest link)")
+    for col in ("operator", "sharding", "TFLOPs", "comm GB", "intensity", "hardware", "bound"):
+        ops.add_column(col, justify="right" if col in ("TFLOPs", "comm GB", "intensity", "hardware") else "left")
+    for op in best.operators:
+        sent = sum(col.total for col in op.collectives)
+        ops.add_row(op.name, op.notation, f"{op.flops / 1e12:.3g}", f"{sent / 1e9:.3g}",
+                    "-" if op.intensity is None else f"{op.intensity:,.0f}",
+                    "-" if op.ridge is None else f"{op.ridge:,.0f} {op.link}",
+                    "[red]communication[/]" if op.comm_bound else ("compute" if op.flops else "-"))
+    console.print(ops)
+    for op in best.comm_bound:
+        console.print(f"{op.name} is communication-bound on {op.link}: {op.fix}", highlight=False)
+    console.print(f"recommended: [bold]{train_command(job, best, model_flags)}[/]", highlight=False, soft_wrap=True)
+
+
+# --------------------------------------------------------------------------------------------- PNG
+
+
+def write_png(path: str | Path, job: Job, hw: Hardware, plans: list[Plan], top: int) -> Path:
+    """Stacked bars of each mesh's memory pie (device memory as a line) beside its predicted step time."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shown = plans[:top]
+    labels = [p.mesh_dim + ("" if p.fits else " (no fit)") for p in shown]
+    fig = Figure(figsize=(max(8, 0.7 * len(shown) + 4), 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    mem, step = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    bottom = [0.0] * len(shown)
+    for part in PIE:
+        values = [p.memory.as_dict()[part] / 1e9 for p in shown]
+        mem.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    mem.axhline(hw.hbm_bytes / 1e9, color="black", linestyle="--", linewidth=1, label=f"{hw.name} memory")
+    mem.set_ylabel("GB per device")
+    mem.set_title("memory per device")
+    mem.legend(fontsize=7)
+    compute = [p.time.compute_s for p in shown]
+    step.bar(labels, compute, label="compute", color="tab:green")
+    step.bar(labels, [p.time.exposed_comm_s for p in shown], bottom=compute, label="exposed communication",
+             color="tab:orange")
+    step.set_ylabel("predicted seconds per step")
+    step.set_title("step time")
+    step.legend(fontsize=7)
+    for ax in (mem, step):
+        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+        ax.set_xlabel("--mesh_dim (dp,fsdp,tp,sp)")
+    fig.suptitle(f"{job.cfg.num_params() / 1e9:.3g}B parameters, batch {job.batch_size} × {job.seq_len} on "
+                 f"{job.n_devices} × {hw.name}")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

@@ -1,0 +1,115 @@
+"""Check a plan against the compiler: compile the real train step with abstract inputs, nothing allocated.
+
+`meshlm.train.step.make_train_step` is lowered with `abstract_state` and a batch of
+ShapeDtypeStructs carrying their shardings, then compiled for the plan's mesh on simulated CPU
+devices (or, for a TPU target with libtpu installed, on that TPU topology). The compiled program
+gives per-device memory (`memory_analysis()`: argument + output - alias + temp bytes, the state,
+the batch and the peak of everything else) and its collectives (`meshlm.plan.hlo`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from meshlm.errors import UsageError
+from meshlm.plan import hlo
+from meshlm.plan.job import Job
+from meshlm.plan.search import Plan
+
+# TPU topology names `jax.experimental.topologies.get_topology_desc` understands, per catalog entry.
+_TPU_TOPOLOGY = {"tpu-v4": ("v4", 3), "tpu-v5e": ("v5e", 2), "tpu-v5p": ("v5p", 3), "tpu-v6e": ("v6e", 2)}
+
+
+def _topology_name(version: str, dims: int, n: int) -> str | None:
+    """'v6e:4x4' style name for n chips, as square as possible."""
+    sides = [1] * dims
+    remaining = n
+    while remaining > 1:
+        i = sides.index(min(sides))
+        if remaining % 2:
+            return None
+        sides[i] *= 2
+        remaining //= 2
+    return f"{version}:{'x'.join(str(s) for s in sorted(sides))}"
+
+
+def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
+    """n devices to compile for, and what they are: a TPU topology when possible, else simulated CPUs."""
+    import jax
+
+    if hardware in _TPU_TOPOLOGY:
+        try:
+            from jax.experimental import topologies
+
+            name = _topology_name(*_TPU_TOPOLOGY[hardware], n)
+            if name:
+                devices = topologies.get_topology_desc(topology_name=name, platform="tpu").devices
+                if len(devices) == n:
+                    return list(devices), f"TPU topology {name}"
+        except Exception:  # noqa: BLE001 - no libtpu (the usual case): fall back to simulated CPUs
+            pass
+    cpus = jax.devices("cpu")
+    if len(cpus) < n:
+        raise UsageError(
+            f"--verify needs {n} simulated CPU devices but this process has {len(cpus)}; run `meshlm plan` in a "
+            f"fresh process (it sets up --devices={n} itself) or plan for at most {len(cpus)} devices"
+        )
+    return cpus[:n], f"{n} simulated CPU devices"
+
+
+def compile_step(job: Job, plan: Plan, devices: list[Any]):
+    """The compiled train step of this job on this plan's mesh; nothing is allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshlm import sharding
+    from meshlm.mesh import build_mesh
+    from meshlm.models.placement import place
+    from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+    from meshlm.train.state import abstract_state
+    from meshlm.train.step import BATCH_KEYS, make_train_step
+
+    mesh = build_mesh(plan.shape, devices)
+    placement = place(job.cfg, mesh)
+    opt_cfg = OptimizerConfig()
+    optimizer = make_optimizer(opt_cfg)
+    rows = sharding.batch_sharding(mesh, placement.strategy)
+    batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=rows) for k in BATCH_KEYS}
+    step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum)
+    return step.lower(abstract_state(placement, optimizer), batch).compile()
+
+
+def measure(compiled) -> dict:
+    """Per-device figures of a compiled step: peak memory and collective payload bytes by kind."""
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return {
+        "peak_memory_bytes": int(peak),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "collective_bytes": hlo.summarize(hlo.parse_collectives(compiled.as_text())),
+    }
+
+
+def error_percent(predicted: float, compiled: float) -> float | None:
+    """(predicted - compiled) / compiled in percent; None when the compiled figure is 0."""
+    return None if not compiled else 100.0 * (predicted - compiled) / compiled
+
+
+def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
+    """Compile the first k plans; attach `plan.compiled` (figures and errors). Returns what was compiled for."""
+    devices, where = target_devices(job.n_devices, hardware)
+    for plan in plans[:k]:
+        t0 = time.perf_counter()
+        got = measure(compile_step(job, plan, devices))
+        got["compile_seconds"] = round(time.perf_counter() - t0, 2)
+        predicted_coll = plan.collective_bytes["total"]
+        got["error_percent"] = {
+            "peak_memory": error_percent(plan.memory.total, got["peak_memory_bytes"]),
+            "collective_bytes": error_percent(predicted_coll, got["collective_bytes"]["total"]),
+        }
+        got["compiled_for"] = where
+        plan.compiled = got
+    return where
