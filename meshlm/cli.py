@@ -101,7 +101,19 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "convert": _convert, "export": _export}
+def _generate(argv: list[str]) -> int:
+    from meshlm.serve.cli import generate
+
+    return generate(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from meshlm.serve.cli import serve
+
+    return serve(argv)
+
+
+COMMANDS = {"train": _train, "generate": _generate, "serve": _serve, "convert": _convert, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -24,7 +25,9 @@ from meshlm.errors import UsageError
 
 MeshAxes = str | tuple[str, ...] | None
 
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+LOGICAL_AXES = (
+    "batch", "length", "cache_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+)
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,20 @@ DEFAULT = Strategy(
     name="default",
     # Weights: embed over fsdp (ZeRO-3) and sp (sequence-parallel ranks hold weight shards too).
     params={"embed": ("fsdp", "sp"), **_MODEL_PARALLEL},
-    # Activations: batch over the data axes, sequence over sp, embed whole.
-    activations={"batch": ("dp", "fsdp"), "length": "sp", "embed": None, **_MODEL_PARALLEL},
+    # Activations: batch over the data axes, sequence (and a KV cache's length) over sp, embed whole.
+    activations={"batch": ("dp", "fsdp"), "length": "sp", "cache_length": "sp", "embed": None, **_MODEL_PARALLEL},
     doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
 )
 
 STRATEGIES: dict[str, Strategy] = {DEFAULT.name: DEFAULT}
+
+
+def for_decoding(strategy: Strategy) -> Strategy:
+    """The strategy for decode steps: a step's few new tokens stay whole (they cannot split over sp);
+    the KV cache keeps its `cache_length` split, so each sp rank scores its own slice of the context."""
+    return dataclasses.replace(
+        strategy, name=f"{strategy.name}+decode", activations={**strategy.activations, "length": None}
+    )
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -199,7 +210,7 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "Strategy", "DEFAULT", "STRATEGIES", "LOGICAL_AXES", "logical_to_spec", "param_specs", "named", "replicated",
+    "Strategy", "DEFAULT", "for_decoding", "STRATEGIES", "LOGICAL_AXES", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
     "sequence_parallel_size", "describe_specs",
 ]

@@ -9,6 +9,8 @@ Shapes: B batch, T length, E d_model, H query heads, K kv heads, D head_dim, M m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,7 +84,8 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wo = _param(rngs, (H, D, E), ("heads", "head_dim", "embed"), std, pd)
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, cache: LayerCache | None = None):
+        """Returns (output, (k, v)): this call's keys and values, or with `cache` the updated cache."""
         dt, cfg = x.dtype, self.cfg
         inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # a trace-time constant
         q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
@@ -92,9 +95,34 @@ class Attention(nnx.Module):
         k = sharding.constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))
-        out = attend(q, k, v, positions, segment_ids)
+        if cache is None:
+            out = attend(q, k, v, positions, segment_ids)
+        else:
+            k, v = cache.write(k, v, positions)
+            out = attend_cache(q, k, v, positions, cache.kv_positions)
         out = checkpoint_name(sharding.constrain(out, ("batch", "length", "heads", "head_dim")), "attn_out")
-        return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt))
+        return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), (k, v)
+
+
+class LayerCache(NamedTuple):
+    """One layer's KV cache while decoding: slot s of row b holds the token at position s.
+
+    k, v          [B, S, K, D]  laid out as (batch, cache_length, kv_heads, head_dim)
+    kv_positions  [B, S] int32  s where slot s is filled (s <= the row's newest position), else -1
+    """
+
+    k: jax.Array
+    v: jax.Array
+    kv_positions: jax.Array
+
+    def write(self, k_new, v_new, positions):
+        """Store the new tokens' keys and values [B, T, K, D] at their positions [B, T] (in place when donated)."""
+        rows = jnp.arange(k_new.shape[0])[:, None]
+        slots = jnp.minimum(positions, self.k.shape[1] - 1)
+        axes = ("batch", "cache_length", "kv_heads", "head_dim")
+        k = self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="promise_in_bounds")
+        v = self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="promise_in_bounds")
+        return sharding.constrain(k, axes), sharding.constrain(v, axes)
 
 
 def attend(q, k, v, positions, segment_ids):
@@ -113,6 +141,17 @@ def attend(q, k, v, positions, segment_ids):
     if T >= 1024 and hasattr(ops, "blockwise_attention") and T % 512 == 0:
         return ops.blockwise_attention(q, k, v, **kw)
     return ops.dot_product_attention(q, k, v, **kw)
+
+
+def attend_cache(q, k_cache, v_cache, positions, kv_positions):
+    """New queries [B, T, H, D] against the whole cache [B, S, K, D]; empty and future slots are masked.
+
+    With the cache's length split over the mesh, each shard scores its own slots and the softmax
+    reductions cross the shards: sequence-parallel decoding without gathering the cache."""
+    from meshlm.ops.attention import dot_product_attention
+
+    return dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), q_positions=positions,
+                                 kv_positions=kv_positions)
 
 
 class MLP(nnx.Module):
@@ -138,10 +177,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, segment_ids):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    def __call__(self, x, positions, segment_ids, cache: LayerCache | None = None):
+        h, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+        x = x + h
         x = x + self.mlp(self.mlp_norm(x))
-        return sharding.constrain(x, ("batch", "length", "embed"))
+        return sharding.constrain(x, ("batch", "length", "embed")), kv
 
 
 class Llama(nnx.Module):
@@ -163,28 +203,58 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, cfg.param_dtype)
 
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
+    def __call__(self, tokens, positions=None, segment_ids=None, *, return_kv: bool = False, select=None):
+        """Logits [B, T, V] (or [B, 1, V] at index `select` [B] of each row).
+
+        With `return_kv`, also each layer's keys and values stacked on a leading layers axis,
+        ([L, B, T, K, D], [L, B, T, K, D]): a prefill that fills a KV cache."""
+        x, positions = self._embed(tokens, positions)
+
+        def layer(x, block, positions, segment_ids):
+            x, kv = block(x, positions, segment_ids)
+            return x, (kv if return_kv else None)
+
+        if self.cfg.remat != "none":
+            layer = nnx.remat(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        scan = nnx.scan(layer, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0),
+                        transform_metadata={nnx.PARTITION_NAME: "layers"})
+        x, kv = scan(x, self.layers, positions, segment_ids)
+        if select is not None:
+            x = jnp.take_along_axis(x, select[:, None, None], axis=1)
+        logits = self._head(x)
+        return (logits, kv) if return_kv else logits
+
+    def decode(self, tokens, positions, cache_k, cache_v):
+        """One step with a KV cache: tokens and positions [B, T] (usually T = 1), caches are tuples of L
+        arrays [B, S, K, D]. Returns (logits [B, T, V], new cache_k, new cache_v).
+
+        The layers run unrolled so that each layer's cache is its own buffer, updated in place."""
+        x, positions = self._embed(tokens, positions)
+        S = cache_k[0].shape[1]
+        slots = jnp.arange(S, dtype=jnp.int32)
+        newest = jnp.max(positions, axis=1, keepdims=True)
+        kv_positions = jnp.where(slots[None, :] <= newest, slots[None, :], -1)
+        graphdef, stacked = nnx.split(self.layers)
+        new_k, new_v = [], []
+        for i in range(self.cfg.n_layers):
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+            x, (k, v) = block(x, positions, None, LayerCache(cache_k[i], cache_v[i], kv_positions))
+            new_k.append(k)
+            new_v.append(v)
+        return self._head(x), tuple(new_k), tuple(new_v)
+
+    def _embed(self, tokens, positions):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         # Gather from a table whose vocab dim stays split over the model axis and whose embed dim is whole:
         # each shard looks up its own rows and one reduction assembles the activations.
         table = sharding.constrain(self.embed[...], ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0).astype(dt)
-        x = sharding.constrain(x, ("batch", "length", "embed"))
+        x = jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return sharding.constrain(x, ("batch", "length", "embed")), positions
 
-        def layer(x, block, positions, segment_ids):
-            return block(x, positions, segment_ids)
-
-        policy = REMAT_POLICIES[cfg.remat]
-        if cfg.remat != "none":
-            layer = nnx.remat(layer, policy=policy, prevent_cse=False)
-        scan = nnx.scan(layer, in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry,
-                        transform_metadata={nnx.PARTITION_NAME: "layers"})
-        x = scan(x, self.layers, positions, segment_ids)
-
+    def _head(self, x):
+        cfg = self.cfg
         x = self.final_norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
         return sharding.constrain(logits, ("batch", "length", "vocab"))

@@ -55,10 +55,21 @@ class Placement:
         """Random parameters, created already sharded: each device computes only its own shards."""
         return jax.jit(lambda: self.random_params(seed), out_shardings=self.shardings)()
 
-    def apply(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None) -> jax.Array:
-        """Logits [B, T, V] float32. Call under jit."""
+    def apply(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, **kw) -> jax.Array:
+        """Logits [B, T, V] float32 (see `Llama.__call__` for `return_kv` and `select`). Call under jit."""
         with sharding.activate(self.mesh, self.strategy):
-            return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids)
+            return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids, **kw)
+
+    def decode(self, params: Any, tokens, positions, cache_k, cache_v):
+        """One cached decode step (see `Llama.decode`), laid out by the strategy's decoding variant."""
+        with sharding.activate(self.mesh, sharding.for_decoding(self.strategy)):
+            return nnx.merge(self.graphdef, params).decode(tokens, positions, cache_k, cache_v)
+
+    def cache_sharding(self) -> jax.sharding.NamedSharding:
+        """Layout of one layer's KV cache [B, S, K, D]."""
+        spec = sharding.logical_to_spec(("batch", "cache_length", "kv_heads", "head_dim"),
+                                        self.strategy.activations, self.mesh)
+        return jax.sharding.NamedSharding(self.mesh, spec)
 
     def param_bytes_per_device(self) -> int:
         total = 0

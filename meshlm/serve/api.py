@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshlm.serve.chat import ChatTemplate, ChatTemplateError
-from meshlm.serve.engine import Engine, GenerationRequest
+from meshlm.serve.engine import Engine, GenerationRequest, RequestHandle
 from meshlm.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,21 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _engine_failure(finish_reason: str | None) -> APIError | None:
+    """The error for a request the engine ended without finishing it ("stop" and "length" are fine)."""
+    if finish_reason == "error":
+        return APIError(500, "generation failed; the server's log says why", type="server_error",
+                        code="generation_failed")
+    if finish_reason == "cancelled":
+        return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    return None
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -119,7 +131,7 @@ class _GenerationBody(BaseModel):
     temperature: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=0)] = 0
-    seed: Annotated[StrictInt, Field(ge=0)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop_strings)] = ()
     n: StrictInt = 1
     stream: StrictBool = False
@@ -236,9 +248,12 @@ def _check_model(engine: Engine, body: _GenerationBody) -> None:
                        param="model", code="model_not_found")
 
 
-def _generation_request(engine: Engine, prompt_ids: list[int], body: _GenerationBody, *, max_tokens: int | None,
-                        default_max_tokens: int | None, extra_stop: tuple[str, ...] = ()) -> GenerationRequest:
-    """The engine request, after checking that prompt + max_tokens fit in the context."""
+def _submit(engine: Engine, prompt_ids: list[int], body: _GenerationBody, *, max_tokens: int | None,
+            default_max_tokens: int | None, extra_stop: tuple[str, ...] = ()) -> RequestHandle:
+    """Hands the request to the engine once prompt + max_tokens are known to fit in the context.
+
+    `max_tokens` None asks for `default_max_tokens`, or for the rest of the context when that is None too.
+    """
     context, prompt_len = engine.max_seq_len, len(prompt_ids)
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
@@ -254,14 +269,11 @@ def _generation_request(engine: Engine, prompt_ids: list[int], body: _Generation
         raise APIError(400, f"max_tokens: {max_tokens} new tokens after the prompt's {prompt_len} exceed the "
                             f"context of {context} tokens; ask for at most {room}",
                        param="max_tokens", code="context_length_exceeded")
-    sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
-    return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                             stop=body.stop + extra_stop)
-
-
-def _submit(engine: Engine, request: GenerationRequest):
     try:
-        return engine.submit(request)
+        sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
+        request = GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                                    stop=body.stop + extra_stop)
+        return engine.submit(request)  # checks the request once more before it queues it
     except ValueError as e:  # what the checks above could not know, as the engine words it
         raise APIError(400, str(e), code="invalid_value") from e
 
@@ -331,14 +343,17 @@ async def _event_stream(handle, chunk: Callable[[list[dict], dict | None], dict]
             yield _sse(chunk([first_choice], None))
         async for event in handle:
             finished = event.finish_reason is not None
+            if failure := _engine_failure(event.finish_reason):
+                yield _sse(failure.body())
+                return
             if event.text or finished:
                 yield _sse(chunk([choice(event.text, event.finish_reason)], None))
         if include_usage:
             yield _sse(chunk([], _usage(handle)))
         yield _sse("[DONE]")
     except Exception:
-        log.exception("generation failed mid-stream")
-        yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None, "code": None}})
+        log.exception("streaming a reply failed")
+        yield _sse(_engine_failure("error").body())
     finally:
         if not finished:
             handle.cancel()
@@ -405,9 +420,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     async def completions(body: CompletionBody, request: Request) -> Response:
         _check_model(engine, body)
         prompt_ids = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
-        gen = _generation_request(engine, prompt_ids, body, max_tokens=body.max_tokens,
-                                  default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
-        handle = _submit(engine, gen)
+        handle = _submit(engine, prompt_ids, body, max_tokens=body.max_tokens,
+                         default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": engine.model_name}
 
@@ -421,6 +435,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         reply = await _reply_or_hang_up(request, handle)
         if reply is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
+        if failure := _engine_failure(reply[1]):
+            raise failure
         return JSONResponse({**meta, "choices": [_completion_choice(*reply)], "usage": _usage(handle)})
 
     @app.post("/v1/chat/completions")
@@ -431,10 +447,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         except ChatTemplateError as e:
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
         prompt_ids = await run_in_threadpool(engine.tokenizer.encode, prompt)
-        gen = _generation_request(engine, prompt_ids, body,
-                                  max_tokens=body.max_completion_tokens or body.max_tokens,
-                                  default_max_tokens=None, extra_stop=template.stop)
-        handle = _submit(engine, gen)
+        handle = _submit(engine, prompt_ids, body, max_tokens=body.max_completion_tokens or body.max_tokens,
+                         default_max_tokens=None, extra_stop=template.stop)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
 
         if body.stream:
@@ -450,6 +464,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         reply = await _reply_or_hang_up(request, handle)
         if reply is None:
             return Response(status_code=499)
+        if failure := _engine_failure(reply[1]):
+            raise failure
         return JSONResponse({**meta, "object": "chat.completion", "choices": [_chat_choice(*reply)],
                              "usage": _usage(handle)})
 

@@ -1,10 +1,10 @@
 """Chat messages to one prompt string, through a Jinja chat template.
 
 A Hugging Face model folder says how its model was trained to see a conversation: a Jinja template
-in `chat_template.jinja` or in `tokenizer_config.json` ("chat_template"). It is rendered the way
-`transformers` renders it (a sandboxed environment, `trim_blocks`/`lstrip_blocks`, `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`). A model without one gets
-`DEFAULT_TEMPLATE`, a plain transcript:
+(`meshlm.serve.loading.read_chat_template` finds it). It is rendered the way `transformers` renders
+it (a sandboxed environment, `trim_blocks`/`lstrip_blocks`, `messages`, `add_generation_prompt`,
+`bos_token`, `eos_token`, `raise_exception`). A model without one gets `DEFAULT_TEMPLATE`, a plain
+transcript:
 
     System: You are terse.
 
@@ -14,7 +14,7 @@ in `chat_template.jinja` or in `tokenizer_config.json` ("chat_template"). It is 
 
 and generation stops before the model writes the user's next turn itself (`ChatTemplate.stop`).
 
-    template = ChatTemplate.from_model_dir("path/to/hf_model")   # or ChatTemplate() for the default
+    template = ChatTemplate.from_source(model.chat_template, bos_token="<s>", eos_token="</s>")
     prompt = template.render([{"role": "user", "content": "Hi!"}])
 """
 
@@ -25,7 +25,6 @@ import datetime
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -66,17 +65,6 @@ class ChatTemplate:
             return cls()
         return cls(source, bos_token=bos_token, eos_token=eos_token, stop=())
 
-    @classmethod
-    def from_model_dir(cls, folder: str | Path) -> ChatTemplate:
-        """The template a Hugging Face model folder ships, with its BOS/EOS strings; else the default."""
-        folder = Path(folder)
-        config = _read_json(folder / "tokenizer_config.json")
-        return cls.from_source(
-            read_template_source(folder),
-            bos_token=_token_text(config.get("bos_token")),
-            eos_token=_token_text(config.get("eos_token")),
-        )
-
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt for `messages` ({"role", "content"} mappings), ready for the assistant's reply."""
         try:
@@ -90,37 +78,6 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from e
-
-
-def read_template_source(folder: str | Path) -> str | None:
-    """The chat template text a Hugging Face model folder ships, or None.
-
-    Newer folders keep it in `chat_template.jinja`; older ones in `tokenizer_config.json`, either as a
-    string or as a list of named templates, of which the one named "default" is the chat template.
-    """
-    folder = Path(folder)
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    source = _read_json(folder / "tokenizer_config.json").get("chat_template")
-    if isinstance(source, list):
-        named = {entry.get("name"): entry.get("template") for entry in source if isinstance(entry, dict)}
-        source = named.get("default")
-    return source if isinstance(source, str) and source else None
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
-def _token_text(token: Any) -> str:
-    """`tokenizer_config.json` writes special tokens as strings or as {"content": ...} objects."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    return token if isinstance(token, str) else ""
 
 
 def _raise_exception(message: str):

@@ -1,0 +1,156 @@
+"""`meshlm generate` and `meshlm serve`: load a model onto a mesh, then stream text or serve HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from meshlm.errors import UsageError
+
+
+def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> None:
+    g = parser.add_argument_group("model and mesh")
+    g.add_argument("--checkpoint", required=True, metavar="P",
+                   help="a run's output_dir (or checkpoints/N), a `meshlm export`/`convert` folder, or a Hugging "
+                        "Face folder (config.json + *.safetensors; an hf: prefix is optional)")
+    g.add_argument("--step", type=int, help="which training checkpoint step (default: newest)")
+    g.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json to use instead of the one beside the weights")
+    g.add_argument("--mesh_dim", default="1,1,-1,1",
+                   help="dp,fsdp,tp,sp as in `meshlm train` [default: 1,1,-1,1, tensor parallel over all devices]")
+    g.add_argument("--devices", type=int, help="simulate this many CPU devices")
+    g.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on "
+                                                  "accelerators), float32, bfloat16 [default: auto]")
+    g.add_argument("--max_seq_len", type=int, help="context length of the KV cache (prompt + generated tokens) "
+                                                   "[default: the model's, at most 2048]")
+    g.add_argument("--max_batch", type=int, default=max_batch,
+                   help="decode slots shared by concurrent requests, a multiple of dp×fsdp"
+                        + (f" [default: {max_batch}]" if max_batch else " [default: dp×fsdp]"))
+    g.add_argument("--prefill_buckets", metavar="N,N,...",
+                   help="prompt lengths that get a compiled prefill [default: 32, 64, ... up to max_seq_len]")
+
+
+def load(args, console):
+    """Devices, mesh and weights, reporting each step: (LoadedModel, MeshShape)."""
+    from meshlm.train.loop import configure_devices
+
+    configure_devices(args.devices)
+    import jax
+
+    from meshlm import mesh as meshlib
+    from meshlm.serve.loading import load_model
+
+    n = jax.device_count()
+    shape = meshlib.parse_mesh_dim(args.mesh_dim, n)
+    mesh = meshlib.build_mesh(shape)
+    t0 = time.perf_counter()
+    with console.status(f"loading {args.checkpoint} onto --mesh_dim={shape} ({n} {jax.devices()[0].platform})"):
+        model = load_model(args.checkpoint, mesh, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer)
+    cfg = model.cfg
+    meshlib.validate_mesh_shape(shape, batch_size=args.max_batch or shape.data, seq_len=2 * shape.sp,
+                                n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, mlp_dim=cfg.mlp_dim,
+                                vocab_size=cfg.vocab_size)
+    console.print(f"loaded {model.name} ({cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}) in "
+                  f"{time.perf_counter() - t0:.1f} s on --mesh_dim={shape}")
+    return model, shape
+
+
+def start_engine(model, shape, args, console, max_seq_len=None, buckets=None):
+    """The engine, compiled and started."""
+    from meshlm.serve.engine import Engine
+
+    if args.prefill_buckets:
+        try:
+            buckets = tuple(int(b) for b in args.prefill_buckets.split(","))
+        except ValueError:
+            raise UsageError(f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256") from None
+    engine = Engine(model, max_batch=args.max_batch or shape.data, max_seq_len=args.max_seq_len or max_seq_len,
+                    prefill_buckets=buckets)
+    with console.status(f"compiling the decode step and {len(engine.buckets)} prefill bucket(s)"):
+        seconds = engine.warmup()
+    console.print(f"compiled in {seconds:.1f} s; context {engine.max_seq_len} tokens, {engine.max_batch} slot(s), "
+                  f"prompt buckets {', '.join(map(str, engine.buckets))}")
+    return engine.start(warmup=False)
+
+
+def generate(argv: list[str]) -> int:
+    from rich.console import Console
+
+    from meshlm.cli import _Parser
+    from meshlm.serve.engine import GenerationRequest
+    from meshlm.serve.sampling import SamplingParams
+
+    parser = _Parser(prog="meshlm generate", description="Stream a completion of one prompt to the terminal.")
+    add_model_flags(parser, max_batch=None)
+    g = parser.add_argument_group("generation")
+    g.add_argument("--prompt", required=True, help="the text to continue; - reads it from standard input")
+    g.add_argument("--max_tokens", type=int, default=128, help="tokens to generate at most [default: 128]")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy [default: 1.0]")
+    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] [default: 1.0, off]")
+    g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens [default: 0, off]")
+    g.add_argument("--seed", type=int, help="makes sampling repeatable")
+    g.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise UsageError(f"{e}; fix the flag") from None
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    err = Console(stderr=True)
+    model, shape = load(args, err)
+    ids = model.tokenizer.encode(prompt)
+    # Compile only what this prompt needs: one prefill length and a cache just long enough.
+    step = 2 * shape.sp
+    need = -(-(len(ids) + max(args.max_tokens, 0)) // step) * step
+    bucket = min(-(-max(len(ids), 1) // step) * step, need)
+    engine = start_engine(model, shape, args, err, max_seq_len=min(need, model.cfg.max_seq_len),
+                          buckets=(min(bucket, model.cfg.max_seq_len),))
+    try:
+        try:
+            handle = engine.submit(GenerationRequest(ids, args.max_tokens, sampling, tuple(args.stop)))
+        except ValueError as e:
+            raise UsageError(f"{e} (--prompt/--max_tokens/--max_seq_len)") from None
+        sys.stdout.write(prompt)
+        for event in handle.iter_sync():
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        total = time.perf_counter() - handle.submitted
+        ttft = (handle.first_token_at or time.perf_counter()) - handle.submitted
+        rate = (handle.completion_tokens - 1) / max(total - ttft, 1e-9)
+        err.print(f"[dim]{handle.completion_tokens} tokens ({handle.finish_reason}); first token after "
+                  f"{ttft * 1e3:.0f} ms, then {rate:.1f} tokens/s[/dim]")
+    finally:
+        engine.stop()
+    return 0
+
+
+def serve(argv: list[str]) -> int:
+    from rich.console import Console
+
+    from meshlm.cli import _Parser
+
+    parser = _Parser(prog="meshlm serve", description="An OpenAI-compatible HTTP API and a chat page.")
+    add_model_flags(parser, max_batch=16)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it [default: 127.0.0.1]")
+    g.add_argument("--port", type=int, default=8000, help="[default: 8000]")
+    g.add_argument("--api_key", default=os.environ.get("MESHLM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]")
+    g.add_argument("--model_name", help="the model id clients send and /v1/models lists [default: the folder name]")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port={args.port} must be between 1 and 65535")
+    console = Console(stderr=True)
+    engine = start_engine(*load(args, console), args, console)
+    if args.model_name:
+        engine.model_name = args.model_name
+    from meshlm.serve.api import serve as run_server
+
+    console.print(f"serving {engine.model_name} on http://{args.host}:{args.port} (chat page at /, API at /v1)")
+    try:
+        run_server(engine, host=args.host, port=args.port, api_key=args.api_key)
+    finally:
+        engine.stop()
+    return 0

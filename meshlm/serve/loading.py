@@ -1,0 +1,92 @@
+"""A model ready to serve: weights placed on the mesh, its tokenizer and chat template.
+
+    model = load_model("outputs/run", mesh)          # a run's output_dir or one of its checkpoints
+    model = load_model("exported/", mesh)            # `meshlm export` / `meshlm convert` output
+    model = load_model("hf:Llama-3.2-1B/", mesh)     # a Hugging Face folder (the hf: prefix is optional)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshlm.errors import UsageError
+from meshlm.models.configs import ModelConfig
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    placement: Any  # meshlm.models.placement.Placement
+    params: Any
+    tokenizer: Any  # meshlm.data.tokenizer.Tokenizer (or any object with encode/decode/eos_id)
+    name: str
+    chat_template: str | None = None
+
+
+def serving_dtype(dtype: str) -> str:
+    """`auto`: float32 on CPU (no fast bf16 matmuls there), bfloat16 on accelerators."""
+    from meshlm.train.loop import resolve_dtype
+
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype={dtype}: choose auto, float32, bfloat16 or float16")
+    return resolve_dtype(dtype)
+
+
+def _tokenizer_files(carried: tuple[Path, ...]) -> dict[str, Path]:
+    return {f.name: f for f in carried}
+
+
+def read_chat_template(files: dict[str, Path]) -> str | None:
+    """The Jinja chat template shipped with a tokenizer (chat_template.jinja or tokenizer_config.json)."""
+    if "chat_template.jinja" in files:
+        return files["chat_template.jinja"].read_text()
+    config = files.get("tokenizer_config.json")
+    if config is None:
+        return None
+    template = json.loads(config.read_text()).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def load_model(checkpoint: str | Path, mesh, *, dtype: str = "auto", step: int | None = None,
+               tokenizer: str | None = None, name: str | None = None) -> LoadedModel:
+    """Weights from any source meshlm reads, each device reading only its own shards."""
+    from meshlm.checkpoint import hf
+    from meshlm.data.tokenizer import Tokenizer
+    from meshlm.models.placement import place
+
+    path = hf.parse_init_from(str(checkpoint)) if str(checkpoint).startswith("hf:") else Path(checkpoint).expanduser()
+    with hf.open_source(path, step) as source:
+        compute = serving_dtype(dtype)
+        cfg = source.cfg.replace(dtype=compute, param_dtype=compute, remat="none")
+        placement = place(cfg, mesh)
+        params = source.load(placement)
+        files = _tokenizer_files(source.carried)
+    if tokenizer is not None:
+        tok = Tokenizer.from_file(tokenizer)
+        files = _tokenizer_files(tuple(p for p in Path(tok.path).parent.iterdir() if p.is_file()))
+    elif "tokenizer.json" in files:
+        tok = Tokenizer.from_file(files["tokenizer.json"])
+    else:
+        raise UsageError(f"{path} has no tokenizer.json beside its weights; pass --tokenizer=PATH/tokenizer.json")
+    if tok.vocab_size > cfg.vocab_size:
+        raise UsageError(f"the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size}; "
+                         "pass the tokenizer this model was trained with (--tokenizer)")
+    model_name = name or (path.name if path.name not in ("checkpoints", "") and not path.name.isdigit() else str(path))
+    return LoadedModel(cfg, placement, params, tok, model_name, read_chat_template(files))
+
+
+def random_model(cfg: ModelConfig, mesh, tokenizer, *, seed: int = 0, name: str = "random") -> LoadedModel:
+    """Random weights of this shape (tests, benchmarks): the same values on every mesh for the same seed."""
+    from meshlm.models.placement import place
+
+    placement = place(cfg, mesh)
+    return LoadedModel(cfg, placement, placement.init(seed), tokenizer, name)
+
+
+__all__ = ["LoadedModel", "load_model", "random_model", "serving_dtype", "read_chat_template"]
