@@ -113,7 +113,14 @@ def _serve(argv: list[str]) -> int:
     return serve(argv)
 
 
-COMMANDS = {"train": _train, "generate": _generate, "serve": _serve, "convert": _convert, "export": _export}
+def _plan(argv: list[str]) -> int:
+    from meshlm.plan.cli import run
+
+    return run(argv)
+
+
+COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "serve": _serve, "convert": _convert,
+            "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:
