@@ -54,11 +54,18 @@ def _split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 def _train(argv: list[str]) -> int:
     from meshlm.train.loop import TrainConfig, train
 
+    from meshlm import distributed
+
+    raw = list(argv)
     parser = _Parser(prog="meshlm train", description="Train a LLaMA-family model on a dp,fsdp,tp,sp device mesh.")
     _add_dataclass_flags(parser, TrainConfig)
     argv, overrides = _split_model_overrides(argv)
     args = parser.parse_args(argv)
     cfg = TrainConfig(**{k: v for k, v in vars(args).items()}, model_overrides=overrides)
+    cfg.validate()
+    cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
+    if cluster.multi_process and not distributed.is_worker():
+        return distributed.supervise(["train", *raw], cluster)  # the work runs in a watched child
     train(cfg)
     return 0
 

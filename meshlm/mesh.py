@@ -60,28 +60,28 @@ def _parse_int(text: str, what: str) -> int:
     return value
 
 
-def _fill(sizes: list[int], n_devices: int, flag: str) -> list[int]:
+def _fill(sizes: list[int], n_devices: int, flag: str, unit: str = "devices") -> list[int]:
     """Replace the one `-1` so the product equals the device count; check the product."""
     if sizes.count(-1) > 1:
-        raise UsageError(f"{flag}: only one axis may be -1 (it is inferred from the {n_devices} devices)")
+        raise UsageError(f"{flag}: only one axis may be -1 (it is inferred from the {n_devices} {unit})")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % known:
             raise UsageError(
-                f"{flag}: the other axes multiply to {known}, which does not divide the {n_devices} devices"
+                f"{flag}: the other axes multiply to {known}, which does not divide the {n_devices} {unit}"
             )
         sizes = [n_devices // known if s == -1 else s for s in sizes]
     elif known != n_devices:
         raise UsageError(
-            f"{flag}: the axes multiply to {known} but there are {n_devices} devices; "
-            f"make the product {n_devices} or use -1 for one axis (or --devices={known} on CPU)"
+            f"{flag}: the axes multiply to {known} but there are {n_devices} {unit}; "
+            f"make the product {n_devices} or use -1 for one axis" + (f" (or --devices={known} on CPU)" if unit == "devices" else "")
         )
     return sizes
 
 
-def parse_mesh_dim(text: str, n_devices: int) -> MeshShape:
+def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim") -> MeshShape:
     """`'1,64,4,1'` (dp,fsdp,tp,sp) or `'fsdp:-1,tp:2'` (named; unnamed axes are 1)."""
-    flag = f"--mesh_dim={text}"
+    flag = f"{flag_name}={text}"
     parts = [p for p in text.replace(" ", "").split(",")]
     if not text.strip() or any(p == "" for p in parts):
         raise UsageError(f"{flag}: give four comma-separated sizes dp,fsdp,tp,sp such as 1,8,1,1, or fsdp:-1,tp:2")
@@ -105,7 +105,7 @@ def parse_mesh_dim(text: str, n_devices: int) -> MeshShape:
                 f"{flag}: expected 4 sizes dp,fsdp,tp,sp, got {len(parts)}; e.g. --mesh_dim=1,{n_devices},1,1"
             )
         values = [_parse_int(p, flag) for p in parts]
-    return MeshShape(*_fill(values, n_devices, flag))
+    return MeshShape(*_fill(values, n_devices, flag, "hosts" if flag_name == "--dcn_mesh_dim" else "devices"))
 
 
 def parse_mp_mesh_dim(text: str, n_devices: int, fsdp: bool = False) -> MeshShape:
@@ -189,12 +189,56 @@ def validate_mesh_shape(shape: MeshShape, **job) -> None:
     raise UsageError(f"--mesh_dim={shape}: {problem}; {hint}")
 
 
-def build_mesh(shape: MeshShape, devices=None):
-    """The JAX mesh with axes (dp, fsdp, tp, sp), Auto axis types so XLA propagates shardings."""
+def split_over_hosts(shape: MeshShape, n_hosts: int) -> MeshShape:
+    """The default `--dcn_mesh_dim`: the hosts go to dp first, then fsdp, sp and tp (slowest traffic first)."""
+    left, factors = n_hosts, dict.fromkeys(AXES, 1)
+    for axis in ("dp", "fsdp", "sp", "tp"):
+        f = math.gcd(left, getattr(shape, axis))
+        factors[axis], left = f, left // f
+    if left != 1:
+        raise UsageError(f"--mesh_dim={shape} cannot be spread over {n_hosts} hosts (each axis must split evenly "
+                         "across them); give --dcn_mesh_dim=dp,fsdp,tp,sp with a product of the host count")
+    return MeshShape(**factors)
+
+
+def resolve_hybrid(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, dcn_mesh_dim: str | None,
+                   n_devices: int, n_hosts: int) -> tuple[MeshShape, MeshShape]:
+    """(whole mesh, factors across hosts) from the flags.
+
+    With `--dcn_mesh_dim`, `--mesh_dim` is one host's share of the devices and each axis is the
+    product of the two; without it, `--mesh_dim` is the whole mesh, spread by `split_over_hosts`."""
+    if dcn_mesh_dim is None:
+        shape = resolve_mesh_shape(mesh_dim, mp_mesh_dim, fsdp, n_devices)
+        return shape, split_over_hosts(shape, n_hosts)
+    if n_devices % n_hosts:
+        raise UsageError(f"{n_devices} devices do not split evenly over {n_hosts} hosts; give every host the same count")
+    local = resolve_mesh_shape(mesh_dim, mp_mesh_dim, fsdp, n_devices // n_hosts)
+    dcn = parse_mesh_dim(dcn_mesh_dim, n_hosts, "--dcn_mesh_dim")
+    return MeshShape(*(a * b for a, b in zip(local.sizes, dcn.sizes))), dcn
+
+
+def build_mesh(shape: MeshShape, devices=None, dcn: MeshShape | None = None):
+    """The JAX mesh with axes (dp, fsdp, tp, sp), Auto axis types so XLA propagates shardings.
+
+    `dcn`: how many ways each axis is split across hosts (or TPU slices); each host's devices then
+    form a contiguous block of the mesh, so the fast axes' traffic stays inside a host."""
     import jax
-    from jax.sharding import AxisType
+    import numpy as np
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
 
     devices = list(devices if devices is not None else jax.devices())
     if len(devices) != shape.n_devices:
         raise UsageError(f"--mesh_dim={shape} needs {shape.n_devices} devices but {len(devices)} are available")
-    return jax.make_mesh(shape.sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if dcn is None or dcn.n_devices == 1:
+        return jax.make_mesh(shape.sizes, AXES, axis_types=axis_types, devices=devices)
+    by_slice = devices[0].platform == "tpu" and getattr(devices[0], "slice_index", None) is not None
+    hosts = len({d.slice_index if by_slice else d.process_index for d in devices})  # TPU slices, else processes
+    if hosts != dcn.n_devices or any(a % b for a, b in zip(shape.sizes, dcn.sizes)):
+        raise UsageError(f"--dcn_mesh_dim={dcn} does not fit {hosts} hosts of {len(devices) // max(hosts, 1)} devices "
+                         f"for the mesh {shape}: its product must be the host count and divide each axis")
+    ici = tuple(a // b for a, b in zip(shape.sizes, dcn.sizes))
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn.sizes, devices,
+                                                process_is_granule=not by_slice)
+    return Mesh(np.asarray(grid), AXES, axis_types=axis_types)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,13 @@ class TrainConfig:
     mesh_dim: str | None = _flag(None, "dp,fsdp,tp,sp sizes, e.g. 1,8,1,1 or fsdp:-1,tp:2; one may be -1 (default: all fsdp)")
     mp_mesh_dim: str | None = _flag(None, "EasyLM form: model-parallel sizes tp,sp only; data parallelism is inferred")
     fsdp: bool = _flag(False, "with --mp_mesh_dim: shard parameters over the data axis too (fsdp instead of dp)")
-    devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only)")
+    devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only; per process)")
+    dcn_mesh_dim: str | None = _flag(None, "several hosts: how many ways each of dp,fsdp,tp,sp is split across hosts; --mesh_dim is then one host's share (default: --mesh_dim is the whole mesh, hosts over dp, then fsdp)")
+    coordinator_address: str | None = _flag(None, "several processes: HOST:PORT of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, or the cluster's own, e.g. SLURM)")
+    num_processes: int | None = _flag(None, "several processes: how many (default: $JAX_NUM_PROCESSES, or 1)")
+    process_id: int | None = _flag(None, "several processes: this one's rank, 0 .. num_processes-1 (default: $JAX_PROCESS_ID)")
+    peer_timeout: float = _flag(20.0, "several processes: stop when another process is silent for this many seconds")
+    connect_timeout: float = _flag(120.0, "several processes: how long to wait for the coordinator at start-up, in seconds")
     model: str | None = _flag(None, "preset name or path of a Hugging Face config.json (default: tiny, or the --init_from model); fields via --model.FIELD=VALUE")
     init_from: str | None = _flag(None, "start from these weights: hf:DIR (a Hugging Face LLaMA folder) or a meshlm convert/export folder")
     model_overrides: dict = _flag(dict, "set by --model.FIELD=VALUE", cli=False)
@@ -115,7 +123,24 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     """Run a training job end to end; returns a summary (first and last loss, throughput, paths)."""
     cfg.validate()
     configure_devices(cfg.devices)
+    from meshlm import distributed
 
+    cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
+    distributed.initialize(cluster, connect_timeout=cfg.connect_timeout)
+    if not cluster.multi_process:
+        return _train(cfg, console)
+    try:
+        summary = _train(cfg, console)
+    except UsageError as e:  # the others would wait for this one in a collective: leave now, status 2
+        print(f"error: process {cluster.process_id}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except Exception as e:  # noqa: BLE001  (a collective failing under us: usually a peer died)
+        distributed.fail_fast(e)
+    distributed.finish()
+    return summary
+
+
+def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     import jax
     from rich.console import Console
 
@@ -128,7 +153,8 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
-    console = console or Console()
+    is_main = jax.process_index() == 0  # logs, progress and files come from process 0 only
+    console = console or Console(quiet=not is_main)
     init_source = None
     if cfg.init_from:
         from meshlm.checkpoint.hf import parse_init_from, read_model_config
@@ -144,7 +170,8 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         found = [d for d in (init_source, init_source / "tokenizer") if (d / "tokenizer.json").is_file()]
         tokenizer_spec = str(found[0]) if found else None
     n_devices = jax.device_count()
-    shape = meshlib.resolve_mesh_shape(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, n_devices)
+    shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim, n_devices,
+                                        jax.process_count())
     if cfg.mp_mesh_dim:
         console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
     meshlib.validate_mesh_shape(
@@ -171,7 +198,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
     )
 
-    mesh = meshlib.build_mesh(shape)
+    mesh = meshlib.build_mesh(shape, dcn=dcn)
     placement = place(model_cfg, mesh)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, cfg.steps // 10)
     opt_cfg = OptimizerConfig(
@@ -184,6 +211,9 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
         f"mesh: --mesh_dim={shape} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
         f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
     )
+    if jax.process_count() > 1:
+        console.print(f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
+                      f"--dcn_mesh_dim={dcn} ({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})")
     out = Path(cfg.output_dir)
     run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "seed": cfg.seed,
                 "train": dataclasses.asdict(cfg)}
@@ -205,7 +235,6 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
 
     peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
     console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
-    is_main = jax.process_index() == 0
     logger = M.MetricsLogger(
         out, flops_per_token=M.model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
         n_devices=n_devices, total_steps=cfg.steps, log_every=cfg.log_every, enabled=is_main,
