@@ -311,7 +311,7 @@ def test_hanging_up_a_whole_request_cancels_it(server, http, engine, handles):
 
 def test_32_concurrent_streaming_clients(server, engine):
     """32 clients × 4 streamed requests each, chat and plain in turn: every one completes, none fails."""
-    n_clients, n_requests, max_tokens = 32, 4, 6
+    n_clients, n_requests, max_tokens = 32, 4, 12
 
     async def one_client(i: int) -> list[int]:
         client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -337,12 +337,17 @@ def test_32_concurrent_streaming_clients(server, engine):
     async def all_clients():
         return await asyncio.gather(*(one_client(i) for i in range(n_clients)))
 
+    compiled, steps = engine.compiled_shapes(), engine.stats["decode_steps"]
     start = time.perf_counter()
-    counts = asyncio.run(all_clients())
+    counts = asyncio.run(all_clients())  # any 4xx/5xx or error event raises in the openai client
     elapsed = time.perf_counter() - start
+    steps = engine.stats["decode_steps"] - steps
     assert len(counts) == n_clients and all(len(c) == n_requests for c in counts)
     assert all(1 <= n <= max_tokens for c in counts for n in c)
-    print(f"{n_clients * n_requests} streamed requests in {elapsed:.1f} s")
+    tokens = sum(map(sum, counts))
+    print(f"{n_clients * n_requests} streamed requests, {tokens} tokens in {steps} decode steps, {elapsed:.1f} s")
+    assert engine.compiled_shapes() == compiled, "traffic compiled a new shape"
+    assert steps < tokens / 2, "concurrent requests did not share decode steps"
 
 
 # --------------------------------------------------------------------------------------------------
