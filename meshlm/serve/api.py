@@ -22,6 +22,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from meshlm.errors import UsageError
 from meshlm.serve.chat import ChatTemplate, ChatTemplateError
 from meshlm.serve.engine import Engine, GenerationRequest, RequestHandle
 from meshlm.serve.sampling import SamplingParams
@@ -478,9 +480,35 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening. Taken before the model loads and compiles, so
+    that a busy port or an unknown host fails at once (UsageError) rather than after minutes of work."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host={host}: not an address this machine can bind ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--host={host} --port={port}: cannot listen there ({e.strerror}); "
+                         "choose another --port or stop what holds it") from None
+    return sock
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info") -> None:
-    """Serve `engine` over HTTP until SIGINT or SIGTERM. The engine is the caller's to start and stop."""
+          log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Serve `engine` over HTTP until SIGINT or SIGTERM. The engine is the caller's to start and stop.
+
+    `sock`, from `bind(host, port)`, is used instead of binding here."""
     app = create_app(engine, api_key=api_key)
+    sock = sock or bind(host, port)
     # Open streams would hold a graceful shutdown forever; after 5 s they are cut.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

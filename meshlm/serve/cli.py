@@ -135,22 +135,28 @@ def serve(argv: list[str]) -> int:
     add_model_flags(parser, max_batch=16)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it [default: 127.0.0.1]")
-    g.add_argument("--port", type=int, default=8000, help="[default: 8000]")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on; taken before the model loads, so "
+                                                        "a busy one fails at once [default: 8000]")
     g.add_argument("--api_key", default=os.environ.get("MESHLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]")
     g.add_argument("--model_name", help="the model id clients send and /v1/models lists [default: the folder name]")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} must be between 1 and 65535")
+    from meshlm.serve.api import bind, serve as run_server
+
     console = Console(stderr=True)
-    engine = start_engine(*load(args, console), args, console)
+    sock = bind(args.host, args.port)  # before minutes of loading and compiling
+    try:
+        engine = start_engine(*load(args, console), args, console)
+    except BaseException:
+        sock.close()
+        raise
     if args.model_name:
         engine.model_name = args.model_name
-    from meshlm.serve.api import serve as run_server
-
     console.print(f"serving {engine.model_name} on http://{args.host}:{args.port} (chat page at /, API at /v1)")
     try:
-        run_server(engine, host=args.host, port=args.port, api_key=args.api_key)
+        run_server(engine, host=args.host, port=args.port, api_key=args.api_key, sock=sock)
     finally:
         engine.stop()
     return 0

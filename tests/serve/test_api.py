@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -12,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from meshlm.serve.api import create_app
+from meshlm.errors import UsageError
+from meshlm.serve.api import bind, create_app
 from meshlm.serve.chat import ChatTemplate, ChatTemplateError
 
 
@@ -207,6 +209,18 @@ def test_unknown_route_and_method(http):
     assert http.get("/v1/nothing").status_code == 404
     assert http.get("/v1/completions").status_code == 405
     assert "error" in http.get("/v1/nothing").json()
+
+
+def test_a_busy_port_is_a_usage_error():
+    """`meshlm serve` takes its port before loading the model: a busy one fails at once, with the fix."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(UsageError, match=f"--port={port}: cannot listen there.*another --port"):
+            bind("127.0.0.1", port)
+    with pytest.raises(UsageError, match="--host=192.0.2.1 --port=8000: cannot listen there"):
+        bind("192.0.2.1", 8000)  # a documentation address, on no interface here: refused without any traffic
 
 
 # --------------------------------------------------------------------------------------------------
