@@ -16,13 +16,22 @@ program of meshlm's layer stacks for the backward pass under each `--remat` poli
     save_qkv_attn  E + 2·Hl·D + 2·Kl·D             (the layer input, q, k, v, attention output)
     full           E                               (the layer input only)
 
-Temporaries are sums of such terms, each with a coefficient: how many buffers of that size the
-compiled step holds at its peak, fitted once to XLA's buffer assignment over a grid of models,
-meshes and policies (`bench/plan_accuracy.py` prints how well it holds). The coefficients describe
-XLA:CPU's schedule; other backends schedule differently, so treat the temporaries as an estimate
-and the state, gradients and activations as the firm part. Peak memory is the
-state plus the batch plus the largest live set, the figure `compiled.memory_analysis()` gives as
-argument + output - alias + temp bytes.
+Temporaries are what else is live at the peak. The compiled step peaks in one of two places, and
+the peak is the larger of the two:
+
+    forward    the forward pass is done and the backward pass starts: the saved activations, the
+               gathered embedding table and head with their first gradients, one layer's working set
+    backward   deep in the backward pass: gradients accumulate while activations are still read,
+               fsdp-gathered weights and the logits' gradient are live
+
+Each place is a sum of terms (sizes below), each with a coefficient: how many buffers of that size
+XLA's buffer assignment holds there. The coefficients were fitted once, by a linear program that
+minimises the worst relative error, to the compiled peak of 30 (model, mesh, remat, batch, seq_len,
+grad_accum) cases on 8 simulated CPU devices: all 30 lie within -2.0% .. +9.0% of the compiled peak
+(`bench/plan_accuracy.py` prints the figures for the 12-case test grid). They describe XLA:CPU's
+schedule; other backends schedule differently, so treat the temporaries as an estimate and the
+state, gradients and activations as the firm part. Peak memory is the state plus the batch plus the
+larger place, the figure `compiled.memory_analysis()` gives as argument + output - alias + temp bytes.
 """
 
 from __future__ import annotations
@@ -33,15 +42,21 @@ from meshlm.mesh import MeshShape
 from meshlm.plan.job import Job, Local
 from meshlm.plan.state_bytes import state_bytes
 
-# Buffers of each kind live at the peak (see the module docstring), fitted to XLA:CPU's buffer
-# assignment over 32 (model, mesh, remat, batch, seq_len, grad_accum) cases on 8 devices: every
-# case within -2.6% .. +7.9% of the compiled peak.
-LOGITS_COPIES = 0.3  # float32 [n, V/tp] logits (XLA fuses most of the softmax into its neighbours)
-TABLE_COPIES = 2.5  # [V/tp, E] in param dtype: the gathered table and head, their full-size gradients
-STREAM_COPIES = 8.0  # [n, E]: the residual stream, norm outputs and their gradients in a layer's backward
-LAYER_COPIES = 1.0  # one layer's tp-sharded activations (policy `none`, less the [n, E] ones)
-WEIGHT_COPIES = 0.75  # one layer's fsdp-gathered weights
-ACCUM_GRAD_COPIES = 2.0  # with gradient accumulation: running sums and one micro-batch's gradients
+# Buffers of each size live at each of the two places (see the module docstring), fitted to
+# XLA:CPU's buffer assignment over 30 cases on 8 devices: every case within -2.0% .. +9.0%.
+#   logits      float32 [n, V/tp] logits or their gradient
+#   tables      [V/tp, E] in param dtype: the gathered embedding table or head, or its gradient
+#   stream      [n, E] activations: the residual stream, norm outputs and their gradients
+#   layer       one layer's tp-sharded activations (policy `none`, less the [n, E] ones)
+#   weights     one layer's fsdp-gathered weights (only when fsdp×sp > 1)
+#   accum       with gradient accumulation: running gradient sums
+#   gradients   the gradients (1.0: all of them live)
+#   activations the saved activations (1.0: all of them live)
+PLACES = {
+    "forward": {"tables": 3.98, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10, "activations": 0.51},
+    "backward": {"logits": 1.53, "stream": 11.71, "weights": 3.28, "accum": 2.06, "gradients": 0.39,
+                 "activations": 1.10},
+}
 BATCH_FIELDS = 5  # inputs, targets, positions, segment_ids, loss_mask: 4 bytes per token each
 
 
@@ -88,13 +103,20 @@ def estimate(job: Job, shape: MeshShape) -> MemoryPie:
     activations = cfg.n_layers * n * saved_per_token_layer(loc, cfg.remat) * a
     fsdp = shape.fsdp * shape.sp > 1
     stream = n * cfg.d_model * a
-    detail = {
-        "logits": int(LOGITS_COPIES * n * loc.vocab * 4),
-        "embedding tables": int(TABLE_COPIES * loc.w_table * p),
-        "residual stream": int(STREAM_COPIES * stream),
-        "layer working set": int(LAYER_COPIES * (n * saved_per_token_layer(loc, "none") * a - 6 * stream)),
-        "gathered weights": int(WEIGHT_COPIES * loc.w_layer * p) if fsdp else 0,
-        "accumulated gradients": int(ACCUM_GRAD_COPIES * grads) if job.grad_accum > 1 else 0,
-        "batch": BATCH_FIELDS * 4 * n * job.grad_accum,
+    sizes = {
+        "logits": n * loc.vocab * 4,
+        "tables": loc.w_table * p,
+        "stream": stream,
+        "layer": n * saved_per_token_layer(loc, "none") * a - 6 * stream,
+        "weights": loc.w_layer * p if fsdp else 0,
+        "accum": grads if job.grad_accum > 1 else 0,
+        "gradients": grads,
+        "activations": activations,
     }
-    return MemoryPie(params, grads, opt, activations, sum(detail.values()), detail)
+    live = {place: {k: int(c * sizes[k]) for k, c in coeffs.items()} for place, coeffs in PLACES.items()}
+    place = max(live, key=lambda name: sum(live[name].values()))
+    # Temporaries: the place's buffers, less the gradients and activations counted in the pie.
+    detail = {f"{k} ({place} pass)": v for k, v in live[place].items() if k not in ("gradients", "activations") and v}
+    detail["gradients and activations not live at the peak"] = live[place]["gradients"] + live[place]["activations"] - grads - activations
+    detail["batch"] = BATCH_FIELDS * 4 * n * job.grad_accum
+    return MemoryPie(params, grads, opt, activations, max(0, sum(detail.values())), detail)
