@@ -11,7 +11,9 @@ name, and that prompt + max_tokens fit in the context. A bad one is answered wit
 OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`, whose message names the field
 and what is wrong with it. With an `api_key`, `/v1/*` wants `Authorization: Bearer <api_key>` (401
 otherwise); request bodies above `max_body_bytes` get 413. A client that hangs up mid-request has its
-request cancelled in the engine, which frees its batch slot at once.
+request cancelled in the engine, which frees its batch slot at once. At shutdown, replies still
+running after a grace period end with 503 "shutting down" (a stream: an error event) rather than a
+cut connection.
 
 Extensions to the OpenAI parameters: `top_k` (0 = off). Parameters this server does not implement
 (penalties, logprobs, ...) are ignored, except `n`, which must be 1.
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import asyncio
 import logging
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -377,6 +381,15 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     )
     started = int(time.time())
     app = FastAPI(title="meshlm", summary="OpenAI-compatible API for a meshlm model")
+    open_requests: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # replies still being sent
+
+    def end_open_requests() -> None:
+        """Ends every reply still running: a whole one answers 503, a stream ends with an error event."""
+        for handle in list(open_requests):
+            if not handle.done:
+                handle.cancel()
+
+    app.state.end_open_requests = end_open_requests  # for the server, at shutdown
 
     app.add_middleware(_LimitBody, limit=max_body_bytes)
     if api_key:
@@ -424,6 +437,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         prompt_ids = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
         handle = _submit(engine, prompt_ids, body, max_tokens=body.max_tokens,
                          default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+        open_requests.add(handle)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": engine.model_name}
 
@@ -451,6 +465,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         prompt_ids = await run_in_threadpool(engine.tokenizer.encode, prompt)
         handle = _submit(engine, prompt_ids, body, max_tokens=body.max_completion_tokens or body.max_tokens,
                          default_max_tokens=None, extra_stop=template.stop)
+        open_requests.add(handle)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
 
         if body.stream:
@@ -499,16 +514,46 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown gives the replies still running `grace_s` seconds to finish and
+    then ends them properly (503, or an error event closing the stream) instead of cutting them off."""
+
+    def __init__(self, config: uvicorn.Config, end_open_requests: Callable[[], None], grace_s: float):
+        super().__init__(config)
+        self._end_open_requests, self._grace_s = end_open_requests, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        async def end_after_grace() -> None:
+            await asyncio.sleep(self._grace_s)
+            log.info("ending the replies still running after %.0f s", self._grace_s)
+            self._end_open_requests()
+
+        ender = asyncio.ensure_future(end_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+
+def make_server(app: FastAPI, *, grace_s: float = 5.0, **config: Any) -> uvicorn.Server:
+    """A uvicorn server for an app from `create_app`; `config` goes to `uvicorn.Config`.
+
+    Run it with `server.run(sockets=[bind(host, port)])`. At SIGINT/SIGTERM it stops accepting
+    connections, lets open replies run for `grace_s` seconds, then ends them with 503 "shutting down".
+    """
+    # uvicorn's own cut-off is only a backstop: ended replies close within a decode step.
+    config = uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 5, **config)
+    return _Server(config, app.state.end_open_requests, grace_s)
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Serve `engine` over HTTP until SIGINT or SIGTERM. The engine is the caller's to start and stop.
 
     `sock`, from `bind(host, port)`, is used instead of binding here."""
-    app = create_app(engine, api_key=api_key)
     sock = sock or bind(host, port)
-    # Open streams would hold a graceful shutdown forever; after 5 s they are cut.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = make_server(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()

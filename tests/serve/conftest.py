@@ -10,9 +10,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 
-from meshlm.serve.api import create_app
+from meshlm.serve.api import create_app, make_server
 from meshlm.serve.engine import Engine
 
 MAX_SEQ_LEN = 256
@@ -27,12 +26,13 @@ def engine():
 
 
 @contextlib.contextmanager
-def live_server(app) -> Iterator[str]:
-    """Serves `app` until the block ends; yields its base URL."""
+def live_server(app, grace_s: float = 1.0) -> Iterator[str]:
+    """Serves `app` (from `create_app`) until the block ends, as `meshlm serve` does; yields its base URL.
+    Leaving the block shuts the server down: replies still running `grace_s` seconds later are ended."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # the port is ours from here on: no race with other processes
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", timeout_graceful_shutdown=1))
+    server = make_server(app, grace_s=grace_s, log_config=None, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn:{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -44,7 +44,7 @@ def live_server(app) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=grace_s + 10)
         sock.close()
 
 

@@ -319,6 +319,42 @@ def test_hanging_up_a_whole_request_cancels_it(server, http, engine, handles):
     assert_serving(http)
 
 
+@pytest.mark.usefixtures("slow_tokens")
+def test_shutdown_ends_open_replies_with_503(engine, handles, serve_app):
+    """A server shutting down lets replies run for its grace period, then ends them properly: a whole
+    reply answers 503 and a stream closes with an error event; neither connection is just cut."""
+    request, grace_s = _long_request(engine), 0.5
+    streamed_events, whole = [], []
+    first_event = threading.Event()
+
+    def stream(url):
+        with httpx.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    streamed_events.append(line.removeprefix("data: "))
+                    first_event.set()
+
+    def post(url):
+        whole.append(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 200}, timeout=60))
+
+    with serve_app(create_app(engine), grace_s=grace_s) as url:
+        clients = [threading.Thread(target=client, args=(url,)) for client in (stream, post)]
+        for client in clients:
+            client.start()
+        assert first_event.wait(30)
+        while len(handles) < 2:
+            time.sleep(0.01)
+        shutdown = time.perf_counter()
+    took = time.perf_counter() - shutdown
+    for client in clients:
+        client.join(10)
+    [response] = whole
+    assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down", response.text
+    assert json.loads(streamed_events[-1])["error"]["code"] == "shutting_down", streamed_events[-3:]
+    assert all(h.cancelled.is_set() and h.completion_tokens < h.request.max_tokens for h in handles)
+    assert grace_s <= took < grace_s + 3, took
+
+
 # --------------------------------------------------------------------------------------------------
 # Load
 
