@@ -1,0 +1,131 @@
+"""Pipeline schedules: the static tables, and loss + gradients equal to running the stages in order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from meshlm.errors import UsageError
+from meshlm.ops.pipeline import BWD, FWD, IDLE, build_schedule, check, pipeline_value_and_grad
+
+D, LAYERS_PER_STAGE = 16, 2
+
+
+def layer(w, x):
+    return x + jnp.tanh(x @ w["a"]) @ w["b"]
+
+
+def stage_fn(p, x):  # p: leaves [LAYERS_PER_STAGE, ...]
+    x, _ = jax.lax.scan(lambda h, w: (layer(w, h), None), x, p)
+    return x
+
+
+def make_head_fn(M):
+    def head_fn(hp, x, y):
+        return jnp.mean((x @ hp["w"] - y) ** 2) / M
+    return head_fn
+
+
+def init(S, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    layers = {"a": jax.random.normal(k[0], (S, LAYERS_PER_STAGE, D, D)) * 0.3,
+              "b": jax.random.normal(k[1], (S, LAYERS_PER_STAGE, D, D)) * 0.3}
+    head = {"w": jax.random.normal(k[2], (D, 4)) * 0.3}
+    return layers, head
+
+
+def reference(layers, head, x, y):
+    M, S = x.shape[0], layers["a"].shape[0]
+    head_fn = make_head_fn(M)
+
+    def loss(layers, head, x):
+        total = 0.0
+        for i in range(M):
+            h = x[i]
+            for k in range(S):
+                h = stage_fn(jax.tree.map(lambda a: a[k], layers), h)
+            total = total + head_fn(head, h, y[i])
+        return total
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, head, x)
+
+
+def to_ranks(tree, pp, V):
+    """[S, ...] stages -> [pp, V, ...]: stage k = v·pp + r at [r, v]."""
+    return jax.tree.map(lambda a: a.reshape(V, pp, *a.shape[1:]).swapaxes(0, 1), tree)
+
+
+def from_ranks(tree, pp, V):
+    return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(pp * V, *a.shape[2:]), tree)
+
+
+@pytest.mark.parametrize("name, pp, M, V", [
+    ("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 5, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
+])
+def test_loss_and_gradients_equal_the_stages_in_order(name, pp, M, V):
+    S = pp * V
+    layers, head = init(S)
+    x = jax.random.normal(jax.random.key(1), (M, 8, 3, D))  # [M, rows, length, D]
+    y = jax.random.normal(jax.random.key(2), (M, 8, 3, 4))
+    want_loss, (g_layers, g_head, g_x) = reference(layers, head, x, y)
+
+    mesh = jax.make_mesh((pp, 8 // pp), ("pp", "data"), axis_types=(AxisType.Auto,) * 2)
+    schedule = build_schedule(name, pp, M, V)
+    staged = jax.device_put(to_ranks(layers, pp, V), NamedSharding(mesh, P("pp")))
+    x_sharded = jax.device_put(x, NamedSharding(mesh, P(None, "data")))
+    run = jax.jit(lambda s, h, x, y: pipeline_value_and_grad(stage_fn, make_head_fn(M), s, h, x, y, schedule, mesh))
+    loss, (g_staged, got_head, got_x) = run(staged, head, x_sharded, y)
+
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    got_layers = from_ranks(g_staged, pp, V)
+    for key in ("a", "b"):
+        np.testing.assert_allclose(got_layers[key], g_layers[key], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_head["w"], g_head["w"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_x, g_x, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, V", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_every_stage_runs_each_microbatch_forward_then_backward_once(name, V):
+    pp, M = 4, 8
+    s = build_schedule(name, pp, M, V)
+    seen = {}
+    for t in range(s.clocks):
+        for r in range(pp):
+            kind, k, i = s.table[t, r, :3]
+            if kind == IDLE:
+                continue
+            assert k % pp == r, "a stage ran on the wrong rank"
+            seen.setdefault((kind, k, i), []).append(t)
+    S = pp * V
+    for k in range(S):
+        for i in range(M):
+            [f], [b] = seen[(FWD, k, i)], seen[(BWD, k, i)]
+            assert f < b
+            if k > 0:
+                assert seen[(FWD, k - 1, i)][0] < f  # its input came from the stage before
+            if k < S - 1:
+                assert seen[(BWD, k + 1, i)][0] < b  # its cotangent came from the stage after
+
+
+def test_bubbles_and_stash_sizes():
+    for M in (4, 8, 16):
+        g, f = build_schedule("gpipe", 4, M), build_schedule("1f1b", 4, M)
+        assert g.bubble == pytest.approx(g.theoretical_bubble()) == pytest.approx(3 / (M + 3))
+        assert f.bubble == pytest.approx(f.theoretical_bubble())
+        assert g.act_slots == M and f.act_slots == 4  # 1F1B keeps at most pp microbatches in flight
+    i = build_schedule("interleaved", 4, 16, 2)
+    assert i.bubble < build_schedule("1f1b", 4, 16).bubble
+
+
+@pytest.mark.parametrize("args, words", [
+    (("zigzag", 2, 4, 1), "--pipeline_schedule=zigzag"),
+    (("1f1b", 4, 2, 1), "--microbatches=2 is fewer than the --pp=4"),
+    (("1f1b", 2, 4, 2), "--virtual_stages=2 needs --pipeline_schedule=interleaved"),
+])
+def test_bad_pipeline_flags(args, words):
+    with pytest.raises(UsageError, match=words):
+        check(*args)
+    with pytest.raises(UsageError, match="do not split into --pp=4 × --virtual_stages=2"):
+        check("interleaved", 4, 8, 2, n_layers=12)
