@@ -39,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       field_validator)
 from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
@@ -95,6 +95,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {detail} at character {position}",
                         code="invalid_json")
     param = ".".join(str(part) for part in error["loc"][1:]) or None  # loc[0] is "body"
+    if param is None and error["type"] == "missing":
+        return APIError(400, "the request body is empty; send a JSON object", code="invalid_value")
+    if param is None and isinstance(error.get("input"), bytes):  # a body FastAPI did not parse as JSON
+        return APIError(400, "the request body must be a JSON object sent with the header "
+                             "`Content-Type: application/json`", code="invalid_value")
     message = error["msg"] if error["type"] != "missing" else "this field is required"
     return APIError(400, f"{param or 'request body'}: {message}", param=param, code="invalid_value")
 
@@ -103,14 +108,27 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 # Request bodies. Strict types: "5" is not a number and true is not 1.
 
 
+def _unicode(text: str) -> str:
+    """JSON may spell a lone surrogate (\\ud800); it is no character, and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("text", f"holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at "
+                                          f"character {e.start}, which is not text") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+
+
 def _text_content(value: Any) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts, joined."""
     if isinstance(value, str):
-        return value
+        return _unicode(value)
     if isinstance(value, list) and all(
         isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in value
     ):
-        return "".join(part["text"] for part in value)
+        return _unicode("".join(part["text"] for part in value))
     raise PydanticCustomError("content", 'must be a string or a list of {"type": "text", "text": ...} parts')
 
 
@@ -120,7 +138,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         raise PydanticCustomError("stop", "must be a non-empty string or a list of them")
     if len(strings) > MAX_STOP_STRINGS:
         raise PydanticCustomError("stop", f"at most {MAX_STOP_STRINGS} strings")
-    return tuple(strings)
+    return tuple(_unicode(s) for s in strings)
 
 
 class StreamOptions(BaseModel):
@@ -136,7 +154,7 @@ class _GenerationBody(BaseModel):
     max_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=0)] = 0
+    top_k: Annotated[StrictInt, Field(ge=0, lt=2**31)] = 0  # the engine holds it as int32
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop_strings)] = ()
     n: StrictInt = 1
@@ -156,7 +174,7 @@ class _GenerationBody(BaseModel):
 
 
 class CompletionBody(_GenerationBody):
-    prompt: StrictStr
+    prompt: Text
 
 
 class ChatMessage(BaseModel):

@@ -156,6 +156,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 BAD_REQUESTS = {
     "malformed JSON": ("/v1/completions", b'{"prompt": "Hi", "max_tokens": ', "json"),
+    "empty body": ("/v1/completions", b"", "empty"),
     "not an object": ("/v1/completions", ["Hi"], "dictionary"),
     "missing prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
     "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, "model"),
@@ -170,6 +171,11 @@ BAD_REQUESTS = {
     "top_p 0": ("/v1/completions", {"prompt": "Hi", "top_p": 0}, "top_p"),
     "top_p > 1": ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p"),
     "top_k < 0": ("/v1/completions", {"prompt": "Hi", "top_k": -1}, "top_k"),
+    "top_k beyond int32": ("/v1/completions", {"prompt": "Hi", "temperature": 1.0, "top_k": 2**31}, "top_k"),
+    "lone surrogate in the prompt": ("/v1/completions", b'{"prompt": "Hi \\ud800"}', "prompt"),
+    "lone surrogate in a message": ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                                    "messages.0.content"),
+    "lone surrogate in stop": ("/v1/completions", b'{"prompt": "Hi", "stop": ["\\ud800"]}', "stop"),
     "max_tokens as a string": ("/v1/completions", {"prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
     "max_tokens as a float": ("/v1/completions", {"prompt": "Hi", "max_tokens": 5.5}, "max_tokens"),
     "temperature as a string": ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
@@ -203,6 +209,16 @@ def test_bad_input_is_a_4xx_and_the_server_goes_on(http, handles, case):
     assert named in (error["param"] or "") or named in error["message"].lower(), error
     assert handles == [], "a bad request reached the engine"
     assert_serving(http)
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_not_sent_as_json_names_the_header(http, handles, content_type):
+    """`curl -d` without `-H "Content-Type: application/json"` is told what to add."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = http.post("/v1/completions", content=b'{"prompt": "Hi"}', headers=headers)
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+    assert handles == []
 
 
 def test_unknown_route_and_method(http):
