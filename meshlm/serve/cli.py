@@ -21,7 +21,7 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
                    help="dp,fsdp,tp,sp as in `meshlm train` [default: 1,1,-1,1, tensor parallel over all devices]")
     g.add_argument("--devices", type=int, help="simulate this many CPU devices")
     g.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on "
-                                                  "accelerators), float32, bfloat16 [default: auto]")
+                                                  "accelerators), float32, bfloat16, float16 [default: auto]")
     g.add_argument("--max_seq_len", type=int, help="context length of the KV cache (prompt + generated tokens) "
                                                    "[default: the model's, at most 2048]")
     g.add_argument("--max_batch", type=int, default=max_batch,
