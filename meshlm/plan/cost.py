@@ -162,6 +162,25 @@ def _fix(op: Operator, cs: list[comms.Collective], loc: Local, shape: MeshShape)
     return "fewer devices on this axis"
 
 
+def row_parallel_intensity(rows: int, m_shard: int, e: int, dtype_bytes: int = 2, all_reduce: bool = False) -> float:
+    """FLOPs per byte sent of one row-parallel matmul `B M_x @ M_x E = B E`, reduce-scattered over x.
+
+    The sharding guide's worked example: 2·B·M_x·E FLOPs against B·E·dtype_bytes sent (twice that
+    for an all-reduce), so in bfloat16 the intensity is M_x whatever B and E are.
+    """
+    return 2 * rows * m_shard * e / (rows * e * dtype_bytes * (2 if all_reduce else 1))
+
+
+def min_compute_bound_shard(hw: Hardware, dtype: str = "bfloat16", all_reduce: bool = False) -> int:
+    """The smallest M_x for which that matmul is compute-bound on the hardware's fast link."""
+    ridge = hw.peak_flops(dtype) / hw.fast_bandwidth
+    nbytes = 4 if str(dtype) == "float32" else 2
+    m = max(1, int(ridge * nbytes * (2 if all_reduce else 1) / 2))
+    while row_parallel_intensity(1, m, 1, nbytes, all_reduce) < ridge:
+        m += 1
+    return m
+
+
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float
