@@ -9,8 +9,8 @@ microbatch, then ranks pass activations to the next rank and cotangents to the p
 Which rank does what when is a static table, made here in plain Python by simulating the schedule:
 
     gpipe        every forward, then every backward: simple, holds all M microbatches' inputs
-    1f1b         at most pp - rank microbatches in flight; a backward goes first whenever it can:
-                 memory bounded by pp microbatches, the same bubble as GPipe
+    1f1b         forwards and backwards in turn once the pipeline is full: at most 2·pp microbatches
+                 in flight whatever M is, the same bubble as GPipe
     interleaved  1F1B over V virtual stages per rank: the bubble shrinks by V, more messages
 
 A rank keeps only each in-flight microbatch's *input* to its stage (the stash); its backward pass
@@ -36,33 +36,52 @@ from jax.sharding import PartitionSpec as P
 from meshlm.errors import UsageError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-IDLE, FWD, BWD = 0, 1, 2
+FWD, BWD = 1, 2
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """The static plan: `table[t, r]` = (kind, stage, microbatch, stash slot, cotangent slot) for rank
-    r at clock t, and `recv_act[t, r]` / `recv_cot[t, r]` = the slot where rank r stores what arrives
-    at the end of clock t (the trash slot when nothing does)."""
+    """The static plan. At clock t, rank r runs at most one forward, `fwd[t, r]`, and one backward,
+    `bwd[t, r]`, each (active, stage, microbatch, stash slot, cotangent slot); `recv_act[t, r]` and
+    `recv_cot[t, r]` are the slots where what arrives at the end of clock t is kept (the last slot of
+    each buffer is a trash slot for "nothing"). `kinds[t]` says whether anyone runs a forward (1),
+    a backward (2) or both (3) at clock t: every rank runs the same program, so a clock costs a
+    forward, a backward, or both, on every rank."""
 
     name: str
     pp: int
     virtual: int
     microbatches: int
-    table: np.ndarray  # [T, pp, 5] int32
+    fwd: np.ndarray  # [T, pp, 5] int32
+    bwd: np.ndarray  # [T, pp, 5] int32
     recv_act: np.ndarray  # [T, pp] int32
     recv_cot: np.ndarray  # [T, pp] int32
+    kinds: np.ndarray  # [T] int32
     act_slots: int
     cot_slots: int
 
     @property
     def clocks(self) -> int:
-        return self.table.shape[0]
+        return len(self.kinds)
 
-    @property
-    def bubble(self) -> float:
-        """Share of rank-clocks spent idle (forward and backward counted as one clock each)."""
-        return float((self.table[..., 0] == IDLE).mean())
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(kind, first clock, end clock) runs of clocks of one kind: one scan each."""
+        out, start = [], 0
+        for t in range(1, self.clocks + 1):
+            if t == self.clocks or self.kinds[t] != self.kinds[start]:
+                out.append((int(self.kinds[start]), start, t))
+                start = t
+        return out
+
+    def length(self, fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> float:
+        """The schedule's length, in the time one rank takes for a forward of all its layers on one
+        microbatch (a backward with recomputation costs about twice that)."""
+        f, b = fwd_cost / self.virtual, bwd_cost / self.virtual
+        return float(sum((f if k & FWD else 0.0) + (b if k & BWD else 0.0) for k in self.kinds))
+
+    def bubble(self, fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> float:
+        """Idle share of each rank's time: 1 - useful work / schedule length."""
+        return 1.0 - self.microbatches * (fwd_cost + bwd_cost) / self.length(fwd_cost, bwd_cost)
 
     def theoretical_bubble(self) -> float:
         """(p - 1) / (m·v + p - 1): the bubble of a pipeline whose stages take equal time."""
@@ -92,10 +111,11 @@ def check(name: str, pp: int, microbatches: int, virtual: int, n_layers: int | N
 def rank_order(name: str, pp: int, M: int, V: int, r: int) -> list[tuple[int, int, int]]:
     """The (kind, stage, microbatch) actions of rank r, in the order it runs them.
 
-    gpipe: every forward, then every backward. 1f1b: pp - r - 1 forwards to fill the pipeline, then
-    one forward and one backward in turn, then the remaining backwards. interleaved: the same over
-    V·M virtual microbatches, taken in groups of pp microbatches per stage, forwards through the
-    rank's stages in order and backwards in reverse, with 2(pp - r - 1) + (V - 1)·pp warm-up forwards.
+    gpipe: every forward, then every backward. 1f1b: 2(pp - r - 1) forwards to fill the pipeline
+    (a clock pairs one forward with one backward, so the fill is twice the classic pp - r - 1), then
+    a forward and a backward in turn, then the remaining backwards. interleaved: the same over V·M
+    virtual microbatches, taken in groups of pp microbatches per stage, forwards through the rank's
+    stages in order and backwards in reverse, with 2(pp - r - 1) + (V - 1)·pp warm-up forwards.
     """
     def fwd(j):  # j-th forward of this rank
         group, within = divmod(j, pp * V)
@@ -110,7 +130,7 @@ def rank_order(name: str, pp: int, M: int, V: int, r: int) -> list[tuple[int, in
     n = M * V
     if name == "gpipe":
         return [(FWD, r, i) for i in range(M)] + [(BWD, r, i) for i in range(M)]
-    warm = min(n, pp - r - 1 if name == "1f1b" else 2 * (pp - r - 1) + (V - 1) * pp)
+    warm = min(n, 2 * (pp - r - 1) + (V - 1) * pp)
     order = [fwd(j) for j in range(warm)]
     for j in range(n - warm):
         order += [fwd(warm + j), bwd(j)]
@@ -150,130 +170,135 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
     while any(nxt[r] < len(orders[r]) for r in range(pp)):
         if t > 4 * S * M + 4 * S:
             raise RuntimeError(f"schedule {name} did not finish (pp={pp}, M={M}, V={virtual})")
-        row = [(IDLE, 0, 0, -1, -1)] * pp
+        row = [[(0, 0, 0, -1, -1), (0, 0, 0, -1, -1)] for _ in range(pp)]  # [fwd, bwd] per rank
         for r in range(pp):
-            if nxt[r] == len(orders[r]) or not ready(*orders[r][nxt[r]], t):
-                continue  # a rank keeps its order: it waits for what comes next
-            kind, k, i = orders[r][nxt[r]]
-            nxt[r] += 1
-            if kind == FWD:
-                if k == 0:
-                    act_slot[k, i] = take(free_act, n_act, r)
-                fwd_at[k, i] = t
-                row[r] = (FWD, k, i, act_slot[k, i], -1)
-            else:
-                bwd_at[k, i] = t
-                row[r] = (BWD, k, i, act_slot[k, i], cot_slot[k, i])
-                free_act[r].append(act_slot[k, i])
-                if cot_slot[k, i] >= 0:
-                    free_cot[r].append(cot_slot[k, i])
+            done_kinds = set()
+            while nxt[r] < len(orders[r]):  # at most one forward and one backward, in the rank's order
+                kind, k, i = orders[r][nxt[r]]
+                if kind in done_kinds or not ready(kind, k, i, t):
+                    break
+                done_kinds.add(kind)
+                nxt[r] += 1
+                if kind == FWD:
+                    if k == 0:
+                        act_slot[k, i] = take(free_act, n_act, r)
+                    fwd_at[k, i] = t
+                    row[r][0] = (1, k, i, act_slot[k, i], -1)
+                else:
+                    bwd_at[k, i] = t
+                    row[r][1] = (1, k, i, act_slot[k, i], cot_slot[k, i])
+        # slots are freed after the clock: a forward and a backward in the same clock never share one
+        for r in range(pp):
+            if row[r][1][0]:
+                free_act[r].append(row[r][1][3])
+                if row[r][1][4] >= 0:
+                    free_cot[r].append(row[r][1][4])
         # messages sent this clock land at its end
         ra, rc = [-1] * pp, [-1] * pp
         for r in range(pp):
-            kind, k, i = row[r][:3]
-            if kind == FWD and k < S - 1:
+            (fa, fk, fi, _, _), (ba, bk, bi, _, _) = row[r]
+            if fa and fk < S - 1:
                 dst = (r + 1) % pp
-                act_slot[k + 1, i] = ra[dst] = take(free_act, n_act, dst)
-                arrived[k + 1, i] = t
-            if kind == BWD and k > 0:
+                act_slot[fk + 1, fi] = ra[dst] = take(free_act, n_act, dst)
+                arrived[fk + 1, fi] = t
+            if ba and bk > 0:
                 dst = (r - 1) % pp
-                cot_slot[k - 1, i] = rc[dst] = take(free_cot, n_cot, dst)
-                cot_arrived[k - 1, i] = t
+                cot_slot[bk - 1, bi] = rc[dst] = take(free_cot, n_cot, dst)
+                cot_arrived[bk - 1, bi] = t
         rows.append(row)
         recv_a.append(ra)
         recv_c.append(rc)
         t += 1
     A, C = max(max(n_act), 1), max(max(n_cot), 1)
-    table = np.asarray(rows, np.int32)
-    # -1 (no slot) points at the trash slot, the last one of each buffer
-    table[..., 3] = np.where(table[..., 3] < 0, A, table[..., 3])
+    table = np.asarray(rows, np.int32)  # [T, pp, 2, 5]
+    table[..., 3] = np.where(table[..., 3] < 0, A, table[..., 3])  # no slot: the trash slot
     table[..., 4] = np.where(table[..., 4] < 0, C, table[..., 4])
     recv_a = np.where(np.asarray(recv_a) < 0, A, recv_a).astype(np.int32)
     recv_c = np.where(np.asarray(recv_c) < 0, C, recv_c).astype(np.int32)
-    return Schedule(name, pp, virtual, M, table, recv_a, recv_c, A, C)
-
-
-def _tree_zeros(tree):
-    return jax.tree.map(jnp.zeros_like, tree)
+    kinds = (table[:, :, 0, 0].any(axis=1) * FWD + table[:, :, 1, 0].any(axis=1) * BWD).astype(np.int32)
+    return Schedule(name, pp, virtual, M, table[:, :, 0], table[:, :, 1], recv_a, recv_c, kinds, A, C)
 
 
 def pipeline_value_and_grad(
-    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_fn: Callable[[Any, jax.Array, Any], jax.Array],
     head_fn: Callable[[Any, jax.Array, Any], jax.Array],
     stage_params: Any,
     head_params: Any,
     inputs: jax.Array,
-    targets: Any,
+    side: Any,
     schedule: Schedule,
     mesh,
     axis: str = "pp",
 ):
-    """Loss and gradients of `sum_i head_fn(head, stage_{S-1}(... stage_0(inputs[i])), targets[i])`.
+    """Loss and gradients of `sum_i head_fn(head, stage_{S-1}(... stage_0(inputs[i], s_i)), s_i)`.
 
     stage_params: leaves shaped [pp, V, ...], sharded over `axis` on dim 0; stage k = v·pp + r is
-        `leaf[r, v]`. stage_fn(one stage's params, x) -> x of the same shape.
-    head_params: replicated over `axis`; head_fn(head, x, targets_i) -> scalar (its share of the loss).
-    inputs: [M, ...] microbatches (the embedded tokens); targets: a pytree of [M, ...] arrays.
+        `leaf[r, v]`. stage_fn(one stage's params, x, s_i) -> x of the same shape.
+    head_params: replicated over `axis`; head_fn(head, x, s_i) -> scalar (its share of the loss).
+    inputs: [M, ...] microbatches (the embedded tokens); side: a pytree of [M, ...] arrays, s_i its
+        i-th slices (targets, positions, segment ids: whatever the stages and the head need).
     Returns (loss, (d stage_params, d head_params, d inputs)).
+
+    No rank branches on its own data: collectives inside a stage (tp, sp, fsdp) need every rank in
+    step. A rank with nothing to do in a clock computes on its trash slot and throws the result away.
     """
-    pp, V, S = schedule.pp, schedule.virtual, schedule.pp * schedule.virtual
-    table, recv_a, recv_c = (jnp.asarray(a) for a in (schedule.table, schedule.recv_act, schedule.recv_cot))
+    pp, S = schedule.pp, schedule.pp * schedule.virtual
     A, C = schedule.act_slots, schedule.cot_slots
     fwd_perm = [(r, (r + 1) % pp) for r in range(pp)]
     bwd_perm = [(r, (r - 1) % pp) for r in range(pp)]
 
-    def per_rank(params, head, x0, ys):
+    def per_rank(params, head, x0, side_, fwd_t, bwd_t, recv_a, recv_c):
         params = jax.tree.map(lambda a: a[0], params)  # [V, ...]: this rank's virtual stages
-        r = jax.lax.axis_index(axis)
+        fwd_t, bwd_t, recv_a, recv_c = fwd_t[:, 0], bwd_t[:, 0], recv_a[:, 0], recv_c[:, 0]
         h_shape, dtype = x0.shape[1:], x0.dtype
 
         def stage_at(v):
-            return jax.tree.map(lambda a: a[v], params)
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
 
-        def fwd(carry, k, i, aslot):
+        def side_at(i):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), side_)
+
+        def forward(carry, row):
             acts, cots, g, gh, loss, gx = carry
-            v = k // pp
-            x = jnp.where(k == 0, x0[i], acts[aslot])
-            acts = acts.at[aslot].set(x)  # stage 0 stashes its input; others already have it there
-            return (acts, cots, g, gh, loss, gx), stage_fn(stage_at(v), x), jnp.zeros(h_shape, dtype)
+            active, k, i, aslot, _ = (row[j] for j in range(5))
+            x = jnp.where(active & (k == 0), x0[i], acts[aslot])
+            acts = acts.at[aslot].set(x)  # stage 0 stashes its input; the others find it already there
+            y = stage_fn(stage_at(k // pp), x, side_at(i))
+            return (acts, cots, g, gh, loss, gx), y
 
-        def bwd(carry, k, i, aslot, cslot):
+        def backward(carry, row):
             acts, cots, g, gh, loss, gx = carry
-            v = k // pp
-            x = acts[aslot]
-            y_i = jax.tree.map(lambda a: a[i], ys)
+            active, k, i, aslot, cslot = (row[j] for j in range(5))
+            v, s_i, last = k // pp, side_at(i), (k == S - 1)
+            cot = jax.lax.stop_gradient(cots[cslot])
 
-            def last(_):
-                out, pull = jax.vjp(lambda p, hp, x: head_fn(hp, stage_fn(p, x), y_i), stage_at(v), head, x)
-                dp, dh, dx = pull(jnp.ones_like(out))
-                return out, dp, dh, dx
+            def objective(p, hp, x):  # the last stage's loss, or the pull-back of the next stage's cotangent
+                y = stage_fn(p, x, s_i)
+                out = head_fn(hp, y, s_i).astype(jnp.float32)
+                pulled = jnp.vdot(y.astype(jnp.float32), cot.astype(jnp.float32))
+                return jnp.where(last, out, pulled), out
 
-            def middle(_):
-                out, pull = jax.vjp(stage_fn, stage_at(v), x)
-                dp, dx = pull(cots[cslot])
-                return jnp.zeros((), jnp.float32), dp, _tree_zeros(head), dx
+            (_, out), (dp, dh, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+                stage_at(v), head, acts[aslot])
+            on = active == 1
+            g = jax.tree.map(lambda G, d: jnp.where(on, G.at[v].add(d.astype(G.dtype)), G), g, dp)
+            gh = jax.tree.map(lambda G, d: jnp.where(on & last, G + d.astype(G.dtype), G), gh, dh)
+            loss = jnp.where(on & last, loss + out, loss)
+            gx = jnp.where(on & (k == 0), gx.at[i].set(dx.astype(gx.dtype)), gx)
+            return (acts, cots, g, gh, loss, gx), dx.astype(dtype)
 
-            out, dp, dh, dx = jax.lax.cond(k == S - 1, last, middle, None)
-            g = jax.tree.map(lambda G, d: G.at[v].add(d.astype(G.dtype)), g, dp)
-            gh = jax.tree.map(lambda G, d: G + d.astype(G.dtype), gh, dh)
-            gx = jnp.where(k == 0, gx.at[i].set(dx), gx)
-            loss = loss + out.astype(jnp.float32)
-            return (acts, cots, g, gh, loss, gx), jnp.zeros(h_shape, dtype), jnp.where(k == 0, 0, dx)
-
-        def idle(carry, *_):
-            z = jnp.zeros(h_shape, dtype)
-            return carry, z, z
-
-        def clock(carry, t):
-            kind, k, i, aslot, cslot = (table[t, r, j] for j in range(5))
-            carry, send_act, send_cot = jax.lax.switch(
-                kind, [lambda c: idle(c), lambda c: fwd(c, k, i, aslot), lambda c: bwd(c, k, i, aslot, cslot)], carry)
-            got_act = jax.lax.ppermute(send_act, axis, fwd_perm)
-            got_cot = jax.lax.ppermute(send_cot, axis, bwd_perm)
-            acts, cots, g, gh, loss, gx = carry
-            acts = acts.at[recv_a[t, r]].set(got_act)
-            cots = cots.at[recv_c[t, r]].set(got_cot)
-            return (acts, cots, g, gh, loss, gx), None
+        def clock(kind):
+            def run(carry, t):  # compute first, then deliver: an arrival may reuse a slot read this clock
+                if kind & FWD:
+                    carry, y = forward(carry, fwd_t[t])
+                if kind & BWD:
+                    carry, dx = backward(carry, bwd_t[t])
+                if kind & FWD:
+                    carry = (carry[0].at[recv_a[t]].set(jax.lax.ppermute(y, axis, fwd_perm)), *carry[1:])
+                if kind & BWD:
+                    carry = (carry[0], carry[1].at[recv_c[t]].set(jax.lax.ppermute(dx, axis, bwd_perm)), *carry[2:])
+                return carry, None
+            return run
 
         carry = (
             jnp.zeros((A + 1, *h_shape), dtype),
@@ -283,15 +308,19 @@ def pipeline_value_and_grad(
             jnp.zeros((), jnp.float32),
             jnp.zeros_like(x0),
         )
-        (_, _, g, gh, loss, gx), _ = jax.lax.scan(clock, carry, jnp.arange(schedule.clocks))
+        for kind, start, end in schedule.segments():
+            carry, _ = jax.lax.scan(clock(kind), carry, jnp.arange(start, end))
+        _, _, g, gh, loss, gx = carry
         g = jax.tree.map(lambda G, p: G.astype(p.dtype)[None], g, params)
         gh = jax.tree.map(lambda G, p: jax.lax.psum(G, axis).astype(p.dtype), gh, head)
         return jax.lax.psum(loss, axis), g, gh, jax.lax.psum(gx, axis)
 
     stage_spec = jax.tree.map(lambda _: P(axis), stage_params)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    by_rank = P(None, axis)
     fn = jax.shard_map(per_rank, mesh=mesh, axis_names={axis},
-                       in_specs=(stage_spec, rep(head_params), P(), rep(targets)),
+                       in_specs=(stage_spec, rep(head_params), P(), rep(side), by_rank, by_rank, by_rank, by_rank),
                        out_specs=(P(), stage_spec, rep(head_params), P()), check_vma=False)
-    loss, g, gh, gx = fn(stage_params, head_params, inputs, targets)
+    tables = (schedule.fwd, schedule.bwd, schedule.recv_act, schedule.recv_cot)
+    loss, g, gh, gx = fn(stage_params, head_params, inputs, side, *(jnp.asarray(a) for a in tables))
     return loss, (g, gh, gx)
