@@ -44,19 +44,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _device_count(args) -> int:
-    if args.hosts is not None or args.devices_per_host is not None:
-        if args.hosts is not None and args.hosts <= 0:
-            raise UsageError(f"--hosts={args.hosts} must be a positive integer")
-        if args.hosts is not None and args.devices_per_host is not None:
-            n = args.hosts * args.devices_per_host
-            if args.devices is not None and args.devices != n:
-                raise UsageError(f"--devices={args.devices} but --hosts × --devices_per_host = {n}; give one or make them agree")
-            return n
-    n = 8 if args.devices is None else args.devices
-    if n <= 0:
-        raise UsageError(f"--devices={n} must be a positive integer")
-    return n
+def _device_count(args, per_host_default: int | None) -> tuple[int, int | None]:
+    """(devices, devices per host): --devices, or --hosts × --devices_per_host (the hardware's host
+    size when not given); devices per host stays None (the hardware's) unless a flag sets it."""
+    hosts, per_host, n = args.hosts, args.devices_per_host, args.devices
+    for flag, value in (("hosts", hosts), ("devices_per_host", per_host), ("devices", n)):
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag}={value} must be a positive integer")
+    if hosts is None:
+        return (8 if n is None else n), per_host
+    if per_host is None:
+        if n is not None:
+            if n % hosts:
+                raise UsageError(f"--devices={n} is not divisible by --hosts={hosts}; give --devices a multiple of {hosts}")
+            return n, n // hosts
+        if per_host_default is None:
+            raise UsageError(f"--hosts={hosts} on --hardware=cpu needs --devices_per_host (or --devices)")
+        per_host = per_host_default
+    total = hosts * per_host
+    if n is not None and n != total:
+        raise UsageError(f"--devices={n} but --hosts × --devices_per_host = {total}; give one or make them agree")
+    return total, per_host
 
 
 def _check(args) -> None:
@@ -82,7 +90,10 @@ def run(argv: list[str]) -> int:
     argv, overrides = _split_model_overrides(list(argv))
     args = _parser().parse_args(argv)
     _check(args)
-    n_devices = _device_count(args)
+    from meshlm.plan.hardware import CATALOG, hardware_key
+
+    key = hardware_key(args.hardware)
+    n_devices, per_host = _device_count(args, CATALOG[key].devices_per_host if key in CATALOG else None)
     if args.verify:
         from meshlm.train.loop import configure_devices
 
@@ -97,13 +108,12 @@ def run(argv: list[str]) -> int:
 
     if args.remat not in REMAT_POLICIES:
         raise UsageError(f"--remat={args.remat}: choose one of {', '.join(REMAT_POLICIES)}")
-    hardware_key = args.hardware.strip().lower()
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if hardware_key == "cpu" else "bfloat16")
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if key == "cpu" else "bfloat16")
     cfg = resolve_model(args.model, overrides).replace(dtype=dtype, param_dtype=args.param_dtype, remat=args.remat)
     if args.seq_len > cfg.max_seq_len:
         raise UsageError(f"--seq_len={args.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
                          "raise --model.max_seq_len or shorten --seq_len")
-    hw = resolve_hardware(args.hardware, n_devices, dtype, args.devices_per_host)
+    hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
     job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum)
     only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices) if args.mesh_dim else None
     plans, rejected = search.search(job, hw, only)

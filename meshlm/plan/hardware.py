@@ -132,16 +132,19 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
                     source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy), split over {n_devices} devices")
 
 
-def resolve_hardware(name: str, n_devices: int, dtype: str = "bfloat16", devices_per_host: int | None = None) -> Hardware:
-    """Catalog entry (or the measured CPU) for `--hardware`, with `--devices_per_host` applied."""
+def hardware_key(name: str) -> str:
+    """The catalog name for `--hardware` (aliases: v4, v5e, v5p, v6e, trillium); UsageError if unknown."""
     key = name.strip().lower().replace("_", "-")
     key = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "trillium": "tpu-v6e"}.get(key, key)
-    if key == "cpu":
-        hw = cpu_hardware(n_devices, dtype)
-    elif key in CATALOG:
-        hw = CATALOG[key]
-    else:
+    if key not in NAMES:
         raise UsageError(f"--hardware={name}: unknown hardware; choose one of {', '.join(NAMES)}")
+    return key
+
+
+def resolve_hardware(name: str, n_devices: int, dtype: str = "bfloat16", devices_per_host: int | None = None) -> Hardware:
+    """Catalog entry (or the measured CPU) for `--hardware`, with `--devices_per_host` applied."""
+    key = hardware_key(name)
+    hw = cpu_hardware(n_devices, dtype) if key == "cpu" else CATALOG[key]
     if devices_per_host is not None:
         if devices_per_host <= 0:
             raise UsageError(f"--devices_per_host={devices_per_host} must be a positive integer")

@@ -43,7 +43,7 @@ def _local_elements(leaf: _Leaf, sizes: dict[str, int], strategy: sharding.Strat
     n = 1
     for dim, entry in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        n *= dim // math.prod(sizes[a] for a in axes)
+        n *= dim // math.prod(sizes.get(a, 1) for a in axes)  # axes this mesh lacks (pp) shard nothing
     return n
 
 

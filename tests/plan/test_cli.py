@@ -65,6 +65,15 @@ def test_verify_adds_compiled_figures_and_errors(capsys):
         assert math.isfinite(err["memory_bytes_per_device"])
 
 
+@pytest.mark.parametrize("flags,devices,per_host", [(["--hosts=4"], 32, 8), (["--hosts=2", "--devices_per_host=4"], 8, 4),
+                                                   (["--hosts=2", "--devices=32"], 32, 16)])
+def test_hosts_times_devices_per_host(capsys, flags, devices, per_host):
+    rc = main(["plan", "--model=test", "--batch_size=32", "--seq_len=32", "--hardware=h100", "--json", *flags])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["job"]["devices"] == devices
+    assert doc["hardware"]["fast_domain_devices"] == per_host  # NVLink stops at the server
+
+
 def test_png_chart(capsys, tmp_path):
     path = tmp_path / "charts" / "plan.png"
     rc, out, _ = plan(capsys, "--hardware=a100", f"--png={path}")
@@ -89,6 +98,8 @@ IMPOSSIBLE = [
     (["--mesh_dim=1,1,1,8", "--seq_len=100"], "--mesh_dim=1,1,1,8: seq_len 100", "meshes that work: --mesh_dim="),
     (["--hosts=2", "--devices_per_host=4", "--devices=16"], "--devices=16 but --hosts × --devices_per_host = 8",
      "make them agree"),
+    (["--hosts=3", "--devices=16"], "--devices=16 is not divisible by --hosts=3", "a multiple of 3"),
+    (["--hosts=2", "--hardware=cpu"], "--hosts=2 on --hardware=cpu", "needs --devices_per_host"),
 ]
 
 
