@@ -44,8 +44,9 @@ _MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", 
 
 DEFAULT = Strategy(
     name="default",
-    # Weights: embed over fsdp (ZeRO-3) and sp (sequence-parallel ranks hold weight shards too).
-    params={"embed": ("fsdp", "sp"), **_MODEL_PARALLEL},
+    # Weights: embed over fsdp (ZeRO-3) and sp (sequence-parallel ranks hold weight shards too);
+    # the stacked layers over pipeline stages when the mesh has a pp axis (meshlm.ops.pipeline).
+    params={"embed": ("fsdp", "sp"), **_MODEL_PARALLEL, "layers": "pp"},
     # Activations: batch over the data axes, sequence (and a KV cache's length) over sp, embed whole.
     activations={"batch": ("dp", "fsdp"), "length": "sp", "cache_length": "sp", "embed": None, **_MODEL_PARALLEL},
     doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
@@ -69,7 +70,8 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
 
 
 def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes], mesh: Mesh | None = None) -> P:
-    """Map logical axis names to a PartitionSpec. Mesh axes of size 1 are dropped (they shard nothing)."""
+    """Map logical axis names to a PartitionSpec. Mesh axes of size 1, or absent from the mesh (pp
+    without a pipeline), are dropped: they shard nothing."""
     entries = []
     used: set[str] = set()
     for name in logical:
@@ -78,7 +80,7 @@ def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes]
             continue
         if name not in table:
             raise UsageError(f"logical axis {name!r} has no entry in the sharding table; known: {', '.join(table)}")
-        axes = tuple(a for a in _as_tuple(table[name]) if mesh is None or mesh.shape[a] > 1)
+        axes = tuple(a for a in _as_tuple(table[name]) if mesh is None or mesh.shape.get(a, 1) > 1)
         if clash := used.intersection(axes):
             raise UsageError(f"logical axes {tuple(logical)} put mesh axis {sorted(clash)[0]!r} on two dimensions")
         used.update(axes)
