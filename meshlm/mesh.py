@@ -7,6 +7,9 @@ Four axes, always in this order:
     tp    tensor parallelism: heads, MLP hidden and vocab split
     sp    sequence parallelism: sequence split, attention runs as RingAttention
 
+and a fifth, `pp` (pipeline stages), outside them when `--pp` > 1: the device count is then
+pp × dp × fsdp × tp × sp, and a `-1` in `--mesh_dim` is filled after pp is taken out.
+
 Everything here is plain Python until `build_mesh`, so flags are checked before JAX compiles anything.
 """
 
@@ -23,12 +26,14 @@ AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "sp")
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the four mesh axes. `str(shape)` is the `--mesh_dim` that reproduces it."""
+    """Sizes of the four mesh axes, and of the pipeline axis. `str(shape)` is the `--mesh_dim` that
+    reproduces it (with `--pp` beside it when pp > 1)."""
 
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
     sp: int = 1
+    pp: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -36,7 +41,12 @@ class MeshShape:
 
     @property
     def n_devices(self) -> int:
-        return math.prod(self.sizes)
+        return math.prod(self.sizes) * self.pp
+
+    @property
+    def mesh_axes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The JAX mesh's axis names and sizes: pp outermost when there is a pipeline."""
+        return (("pp", *AXES), (self.pp, *self.sizes)) if self.pp > 1 else (AXES, self.sizes)
 
     @property
     def data(self) -> int:
@@ -47,7 +57,12 @@ class MeshShape:
         return ",".join(str(s) for s in self.sizes)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(zip(AXES, self.sizes))
+        return dict(zip(*self.mesh_axes))
+
+    @property
+    def flags(self) -> str:
+        """The command-line flags that give this mesh."""
+        return f"--mesh_dim={self}" + (f" --pp={self.pp}" if self.pp > 1 else "")
 
 
 def _parse_int(text: str, what: str) -> int:
@@ -79,9 +94,11 @@ def _fill(sizes: list[int], n_devices: int, flag: str, unit: str = "devices") ->
     return sizes
 
 
-def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim") -> MeshShape:
-    """`'1,64,4,1'` (dp,fsdp,tp,sp) or `'fsdp:-1,tp:2'` (named; unnamed axes are 1)."""
+def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim", pp: int = 1) -> MeshShape:
+    """`'1,64,4,1'` (dp,fsdp,tp,sp) or `'fsdp:-1,tp:2'` (named; unnamed axes are 1; `pp:N` too)."""
     flag = f"{flag_name}={text}"
+    if pp < 1:
+        raise UsageError(f"--pp={pp} must be a positive integer")
     parts = [p for p in text.replace(" ", "").split(",")]
     if not text.strip() or any(p == "" for p in parts):
         raise UsageError(f"{flag}: give four comma-separated sizes dp,fsdp,tp,sp such as 1,8,1,1, or fsdp:-1,tp:2")
@@ -92,8 +109,15 @@ def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim") -> 
             name, sep, value = part.partition(":")
             if not sep:
                 raise UsageError(f"{flag}: mix of named and positional entries; write every entry as axis:size")
+            if name == "pp" and flag_name == "--mesh_dim":
+                named_pp = _parse_int(value, flag)
+                if named_pp == -1 or (pp > 1 and named_pp != pp):
+                    raise UsageError(f"{flag}: give pp a size, once (pp:{pp if pp > 1 else 2} or --pp={pp if pp > 1 else 2})")
+                pp = named_pp
+                continue
             if name not in AXES:
-                raise UsageError(f"{flag}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
+                raise UsageError(f"{flag}: unknown axis {name!r}; the axes are {', '.join(AXES)}"
+                                 + (" and pp" if flag_name == "--mesh_dim" else ""))
             if name in seen:
                 raise UsageError(f"{flag}: axis {name!r} is given twice")
             seen.add(name)
@@ -105,7 +129,10 @@ def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim") -> 
                 f"{flag}: expected 4 sizes dp,fsdp,tp,sp, got {len(parts)}; e.g. --mesh_dim=1,{n_devices},1,1"
             )
         values = [_parse_int(p, flag) for p in parts]
-    return MeshShape(*_fill(values, n_devices, flag, "hosts" if flag_name == "--dcn_mesh_dim" else "devices"))
+    if n_devices % pp:
+        raise UsageError(f"--pp={pp} does not divide the {n_devices} devices; use a pp that does")
+    unit = "hosts" if flag_name == "--dcn_mesh_dim" else "devices" if pp == 1 else f"devices per stage (of {n_devices} / pp={pp})"
+    return MeshShape(*_fill(values, n_devices // pp, flag, unit), pp=pp)
 
 
 def parse_mp_mesh_dim(text: str, n_devices: int, fsdp: bool = False) -> MeshShape:
@@ -124,15 +151,18 @@ def parse_mp_mesh_dim(text: str, n_devices: int, fsdp: bool = False) -> MeshShap
     return MeshShape(dp=1, fsdp=data, tp=tp, sp=sp) if fsdp else MeshShape(dp=data, fsdp=1, tp=tp, sp=sp)
 
 
-def resolve_mesh_shape(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, n_devices: int) -> MeshShape:
+def resolve_mesh_shape(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, n_devices: int,
+                       pp: int = 1) -> MeshShape:
     """What the flags mean together. Default: everything on fsdp (the usual best choice)."""
     if mesh_dim and mp_mesh_dim:
         raise UsageError("--mesh_dim and --mp_mesh_dim both given; use one (--mesh_dim=dp,fsdp,tp,sp is the full form)")
     if mp_mesh_dim:
+        if pp != 1:
+            raise UsageError("--pp goes with --mesh_dim; --mp_mesh_dim has no pipeline axis")
         return parse_mp_mesh_dim(mp_mesh_dim, n_devices, fsdp)
     if fsdp and mesh_dim:
         raise UsageError("--fsdp goes with --mp_mesh_dim; with --mesh_dim put the size in the fsdp entry instead")
-    return parse_mesh_dim(mesh_dim or "1,-1,1,1", n_devices)
+    return parse_mesh_dim(mesh_dim or "1,-1,1,1", n_devices, pp=pp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -190,9 +220,10 @@ def validate_mesh_shape(shape: MeshShape, **job) -> None:
 
 
 def split_over_hosts(shape: MeshShape, n_hosts: int) -> MeshShape:
-    """The default `--dcn_mesh_dim`: the hosts go to dp first, then fsdp, sp and tp (slowest traffic first)."""
-    left, factors = n_hosts, dict.fromkeys(AXES, 1)
-    for axis in ("dp", "fsdp", "sp", "tp"):
+    """The default `--dcn_mesh_dim`: the hosts go to pipeline stages first, then dp, fsdp, sp and tp
+    (the axes with the least traffic cross the slow network)."""
+    left, factors = n_hosts, dict.fromkeys(("pp", *AXES), 1)
+    for axis in ("pp", "dp", "fsdp", "sp", "tp"):
         f = math.gcd(left, getattr(shape, axis))
         factors[axis], left = f, left // f
     if left != 1:
@@ -202,14 +233,16 @@ def split_over_hosts(shape: MeshShape, n_hosts: int) -> MeshShape:
 
 
 def resolve_hybrid(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, dcn_mesh_dim: str | None,
-                   n_devices: int, n_hosts: int) -> tuple[MeshShape, MeshShape]:
+                   n_devices: int, n_hosts: int, pp: int = 1) -> tuple[MeshShape, MeshShape]:
     """(whole mesh, factors across hosts) from the flags.
 
     With `--dcn_mesh_dim`, `--mesh_dim` is one host's share of the devices and each axis is the
     product of the two; without it, `--mesh_dim` is the whole mesh, spread by `split_over_hosts`."""
     if dcn_mesh_dim is None:
-        shape = resolve_mesh_shape(mesh_dim, mp_mesh_dim, fsdp, n_devices)
+        shape = resolve_mesh_shape(mesh_dim, mp_mesh_dim, fsdp, n_devices, pp)
         return shape, split_over_hosts(shape, n_hosts)
+    if pp > 1:
+        raise UsageError("--dcn_mesh_dim does not take a pipeline yet: leave it out and the hosts go to pp first")
     if n_devices % n_hosts:
         raise UsageError(f"{n_devices} devices do not split evenly over {n_hosts} hosts; give every host the same count")
     local = resolve_mesh_shape(mesh_dim, mp_mesh_dim, fsdp, n_devices // n_hosts)
@@ -218,7 +251,8 @@ def resolve_hybrid(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, dc
 
 
 def build_mesh(shape: MeshShape, devices=None, dcn: MeshShape | None = None):
-    """The JAX mesh with axes (dp, fsdp, tp, sp), Auto axis types so XLA propagates shardings.
+    """The JAX mesh with axes (dp, fsdp, tp, sp), and pp first when there is a pipeline; Auto axis
+    types, so XLA propagates shardings.
 
     `dcn`: how many ways each axis is split across hosts (or TPU slices); each host's devices then
     form a contiguous block of the mesh, so the fast axes' traffic stays inside a host."""
@@ -230,15 +264,16 @@ def build_mesh(shape: MeshShape, devices=None, dcn: MeshShape | None = None):
     devices = list(devices if devices is not None else jax.devices())
     if len(devices) != shape.n_devices:
         raise UsageError(f"--mesh_dim={shape} needs {shape.n_devices} devices but {len(devices)} are available")
-    axis_types = (AxisType.Auto,) * len(AXES)
+    names, sizes = shape.mesh_axes
+    axis_types = (AxisType.Auto,) * len(names)
     if dcn is None or dcn.n_devices == 1:
-        return jax.make_mesh(shape.sizes, AXES, axis_types=axis_types, devices=devices)
+        return jax.make_mesh(sizes, names, axis_types=axis_types, devices=devices)
     by_slice = devices[0].platform == "tpu" and getattr(devices[0], "slice_index", None) is not None
     hosts = len({d.slice_index if by_slice else d.process_index for d in devices})  # TPU slices, else processes
-    if hosts != dcn.n_devices or any(a % b for a, b in zip(shape.sizes, dcn.sizes)):
+    dcn_sizes = (dcn.pp, *dcn.sizes) if shape.pp > 1 else dcn.sizes
+    if hosts != dcn.n_devices or any(a % b for a, b in zip(sizes, dcn_sizes)):
         raise UsageError(f"--dcn_mesh_dim={dcn} does not fit {hosts} hosts of {len(devices) // max(hosts, 1)} devices "
                          f"for the mesh {shape}: its product must be the host count and divide each axis")
-    ici = tuple(a // b for a, b in zip(shape.sizes, dcn.sizes))
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn.sizes, devices,
-                                                process_is_granule=not by_slice)
-    return Mesh(np.asarray(grid), AXES, axis_types=axis_types)
+    ici = tuple(a // b for a, b in zip(sizes, dcn_sizes))
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn_sizes, devices, process_is_granule=not by_slice)
+    return Mesh(np.asarray(grid), names, axis_types=axis_types)

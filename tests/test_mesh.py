@@ -24,6 +24,15 @@ def test_parse_good(text, n, expected):
     assert parse_mesh_dim(text, n).sizes == expected
 
 
+def test_pipeline_stages_come_out_before_the_minus_one_is_filled():
+    shape = parse_mesh_dim("1,-1,2,1", 8, pp=2)
+    assert (shape.sizes, shape.pp, shape.n_devices) == ((1, 2, 2, 1), 2, 8)
+    assert shape.flags == "--mesh_dim=1,2,2,1 --pp=2"
+    assert shape.mesh_axes == (("pp", "dp", "fsdp", "tp", "sp"), (2, 1, 2, 2, 1))
+    assert parse_mesh_dim("pp:4,fsdp:-1", 8) == MeshShape(fsdp=2, pp=4)
+    assert parse_mesh_dim("1,8,1,1", 8).mesh_axes == (("dp", "fsdp", "tp", "sp"), (1, 8, 1, 1))
+
+
 BAD = [
     ("1,4,1,1", 8, "multiply to 4 but there are 8 devices"),
     ("-1,-1,2,1", 8, "only one axis may be -1"),
@@ -35,7 +44,9 @@ BAD = [
     ("1,8,1,1,1", 8, "expected 4 sizes"),
     ("", 8, "give four comma-separated sizes"),
     ("1,,1,1", 8, "give four comma-separated sizes"),
-    ("pp:2,fsdp:4", 8, "unknown axis 'pp'"),
+    ("pp:-1,fsdp:4", 8, "give pp a size"),
+    ("pp:3,fsdp:-1", 8, "--pp=3 does not divide the 8 devices"),
+    ("pp:2,fsdp:8", 8, "multiply to 8 but there are 4 devices per stage"),
     ("model:8", 8, "unknown axis 'model'"),
     ("tp:2,tp:4", 8, "given twice"),
     ("tp:2,4", 8, "mix of named and positional"),
