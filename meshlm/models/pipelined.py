@@ -90,7 +90,11 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
 
     head = {"final_norm": params["final_norm"]}
     head.update({"embed": params["embed"]} if cfg.tie_embeddings else {"lm_head": params["lm_head"]})
-    side = {k: mb[k] for k in ("positions", "segment_ids", "targets", "loss_mask")}
+    # XLA's partitioner cannot yet take inputs split over the automatic axes into a shard_map that is
+    # manual over pp only: hand them over whole (the stages' own constraints split the work again).
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x0 = jax.lax.with_sharding_constraint(x0, whole)
+    side = {k: jax.lax.with_sharding_constraint(mb[k], whole) for k in ("positions", "segment_ids", "targets", "loss_mask")}
     staged = to_stages(params["layers"], schedule.pp, schedule.virtual)
     loss, (g_staged, g_head, g_x0) = pipeline_value_and_grad(stage_fn, head_fn, staged, head, x0, side, schedule, mesh)
     (g_embed,) = pull_embed(g_x0)

@@ -31,6 +31,10 @@ class TrainConfig:
     mesh_dim: str | None = _flag(None, "dp,fsdp,tp,sp sizes, e.g. 1,8,1,1 or fsdp:-1,tp:2; one may be -1 (default: all fsdp)")
     mp_mesh_dim: str | None = _flag(None, "EasyLM form: model-parallel sizes tp,sp only; data parallelism is inferred")
     fsdp: bool = _flag(False, "with --mp_mesh_dim: shard parameters over the data axis too (fsdp instead of dp)")
+    pp: int = _flag(1, "pipeline stages: the layers split over pp groups of devices (also pp:N in --mesh_dim); devices = pp × dp × fsdp × tp × sp")
+    pipeline_schedule: str = _flag("1f1b", "with --pp: gpipe, 1f1b (memory bounded by 2·pp microbatches) or interleaved (with --virtual_stages)")
+    microbatches: int | None = _flag(None, "with --pp: microbatches per step (default: 2·pp); the batch splits into them")
+    virtual_stages: int = _flag(1, "with --pipeline_schedule=interleaved: stages per device (the bubble shrinks by this much)")
     devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only; per process)")
     dcn_mesh_dim: str | None = _flag(None, "several hosts: how many ways each of dp,fsdp,tp,sp is split across hosts; --mesh_dim is then one host's share (default: --mesh_dim is the whole mesh, hosts over dp, then fsdp)")
     coordinator_address: str | None = _flag(None, "several processes: HOST:PORT of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, or the cluster's own, e.g. SLURM)")
@@ -171,7 +175,19 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         tokenizer_spec = str(found[0]) if found else None
     n_devices = jax.device_count()
     shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim, n_devices,
-                                        jax.process_count())
+                                        jax.process_count(), cfg.pp)
+    pipeline = None
+    if shape.pp > 1:
+        from meshlm.ops.pipeline import build_schedule, check as check_pipeline
+
+        micro = cfg.microbatches or 2 * shape.pp
+        check_pipeline(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, model_cfg.n_layers)
+        if cfg.grad_accum > 1:
+            raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
+        if cfg.batch_size % (micro * shape.data):
+            raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
+                             f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
+        pipeline = build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
     if cfg.mp_mesh_dim:
         console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
     meshlib.validate_mesh_shape(
@@ -208,9 +224,15 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     optimizer = make_optimizer(opt_cfg)
     console.print(f"model: {cfg.model or init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
     console.print(
-        f"mesh: --mesh_dim={shape} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
+        f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
         f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
     )
+    if pipeline is not None:
+        console.print(f"pipeline: {pipeline.name}, {shape.pp} stages"
+                      + (f" × {pipeline.virtual} virtual" if pipeline.virtual > 1 else "")
+                      + f", {pipeline.microbatches} microbatches, {pipeline.clocks} clocks; bubble "
+                      f"{pipeline.bubble():.1%} ((p-1)/(m·v+p-1) = {pipeline.theoretical_bubble():.1%}); "
+                      f"at most {pipeline.act_slots} microbatch inputs stashed per stage")
     if jax.process_count() > 1:
         console.print(f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
                       f"--dcn_mesh_dim={dcn} ({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})")
@@ -230,7 +252,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     else:
         state = create_train_state(placement, optimizer, cfg.seed)
     first_step = int(state.step) + 1
-    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum)
+    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline)
     perm = sequence_permutation(placement, cfg.seq_len)
 
     peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
@@ -284,7 +306,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
             if stop.requested:
                 break
     checkpointer.close()  # waits for the last asynchronous save
-    logger.close(title=f"{cfg.model or init_source or 'tiny'} on --mesh_dim={shape}")
+    logger.close(title=f"{cfg.model or init_source or 'tiny'} on {shape.flags}")
     if stop.requested:
         console.print(f"received {stop.requested}: saved a checkpoint at step {saved_at} in "
                       f"{checkpointer.directory / str(saved_at)}; run the same command to resume")

@@ -15,7 +15,9 @@ import numpy as np
 import optax
 
 from meshlm import sharding
+from meshlm.models.pipelined import pipelined_loss_and_grads
 from meshlm.models.placement import Placement
+from meshlm.ops.pipeline import Schedule
 from meshlm.train.state import TrainState, state_shardings
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -45,22 +47,33 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
     grad_accum: int = 1,
+    pipeline: Schedule | None = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """`step(state, batch) -> (state, metrics)`; the state's buffers are donated (updated in place)."""
+    """`step(state, batch) -> (state, metrics)`; the state's buffers are donated (updated in place).
+
+    With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
+    (`meshlm.models.pipelined`); the update is the same."""
     grad_fn = jax.value_and_grad(lambda p, b: loss_sums(placement, p, b), has_aux=True)
 
-    def step(state: TrainState, batch: dict):
+    def mean_loss_grads(params, batch):
+        """(sum of token losses, token count, gradients of the mean loss)."""
+        if pipeline is not None:
+            (nll, count), grads = pipelined_loss_and_grads(placement, pipeline, params, batch)
+            return nll, count, grads
         if grad_accum == 1:
-            (nll, count), grads = grad_fn(state.params, batch)
+            (nll, count), grads = grad_fn(params, batch)
         else:
             def accumulate(carry, micro):
-                (nll, count), grads = grad_fn(state.params, micro)
+                (nll, count), grads = grad_fn(params, micro)
                 return jax.tree.map(jnp.add, carry, (nll, count, grads)), None
 
-            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
             (nll, count, grads), _ = jax.lax.scan(accumulate, zeros, _micro_batches(batch, grad_accum, placement))
         count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
+        return nll, count, jax.tree.map(lambda g: g / count, grads)
+
+    def step(state: TrainState, batch: dict):
+        nll, count, grads = mean_loss_grads(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "tokens": count}
