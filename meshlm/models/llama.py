@@ -146,12 +146,30 @@ def attend(q, k, v, positions, segment_ids):
 def attend_cache(q, k_cache, v_cache, positions, kv_positions):
     """New queries [B, T, H, D] against the whole cache [B, S, K, D]; empty and future slots are masked.
 
-    With the cache's length split over the mesh, each shard scores its own slots and the softmax
-    reductions cross the shards: sequence-parallel decoding without gathering the cache."""
-    from meshlm.ops.attention import dot_product_attention
-
-    return dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), q_positions=positions,
-                                 kv_positions=kv_positions)
+    Both products are plain matmuls over the cache as it lies, [B, S, K·D], against the queries laid
+    out block-diagonally ([B, K·D, T·H]: head h's query fills the rows of its kv head only). A matmul
+    with kv heads as a batch dimension would first copy the whole cache into a heads-major layout,
+    every layer and every step; the block-diagonal form reads it once, in place, for K times the
+    (few) multiply-adds. With the cache's length split over the mesh, each shard scores its own
+    slots and the softmax reductions cross the shards: sequence-parallel decoding without gathering
+    the cache."""
+    B, T, H, D = q.shape
+    S, K = k_cache.shape[1], k_cache.shape[2]
+    G = H // K
+    f32 = jnp.float32
+    eye = jnp.eye(K, dtype=f32)
+    qg = q.astype(f32).reshape(B, T, K, G, D) * (1.0 / np.sqrt(D))
+    q_blocks = jnp.einsum("btjgd,kj->bkdtjg", qg, eye).reshape(B, K * D, T * H)
+    scores = jnp.einsum("bsx,bxy->bsy", k_cache.reshape(B, S, K * D).astype(f32), q_blocks)  # [B, S, T·H]
+    allowed = (kv_positions[:, :, None] >= 0) & (kv_positions[:, :, None] <= positions[:, None, :])  # [B, S, T]
+    scores = jnp.where(allowed[..., None], scores.reshape(B, S, T, H), -jnp.inf)
+    top = jnp.max(scores, axis=1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # masked slots: exactly 0
+    total = jnp.sum(p, axis=1, keepdims=True)
+    p = (p / jnp.where(total > 0, total, 1.0)).reshape(B, S, T * H)
+    mixed = jnp.einsum("bsy,bsx->byx", p, v_cache.reshape(B, S, K * D).astype(f32))  # [B, T·H, K·D]
+    out = jnp.einsum("btkgjd,kj->btkgd", mixed.reshape(B, T, K, G, K, D), eye)  # each head's own kv head
+    return out.reshape(B, T, H, D).astype(q.dtype)
 
 
 class MLP(nnx.Module):
@@ -224,24 +242,45 @@ class Llama(nnx.Module):
         logits = self._head(x)
         return (logits, kv) if return_kv else logits
 
-    def decode(self, tokens, positions, cache_k, cache_v):
+    def decode(self, tokens, positions, cache_k, cache_v, layers=None):
         """One step with a KV cache: tokens and positions [B, T] (usually T = 1), caches are tuples of L
         arrays [B, S, K, D]. Returns (logits [B, T, V], new cache_k, new cache_v).
 
-        The layers run unrolled so that each layer's cache is its own buffer, updated in place."""
+        The layers run unrolled so that each layer's cache is its own buffer, updated in place.
+        `layers` (see `blocks`) gives each layer's weights as their own buffers too."""
         x, positions = self._embed(tokens, positions)
         S = cache_k[0].shape[1]
         slots = jnp.arange(S, dtype=jnp.int32)
         newest = jnp.max(positions, axis=1, keepdims=True)
         kv_positions = jnp.where(slots[None, :] <= newest, slots[None, :], -1)
-        graphdef, stacked = nnx.split(self.layers)
         new_k, new_v = [], []
-        for i in range(self.cfg.n_layers):
-            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+        for i, block in enumerate(self.blocks(layers)):
             x, (k, v) = block(x, positions, None, LayerCache(cache_k[i], cache_v[i], kv_positions))
             new_k.append(k)
             new_v.append(v)
         return self._head(x), tuple(new_k), tuple(new_v)
+
+    def prefill(self, tokens, positions=None, *, layers=None, select=None):
+        """`__call__(tokens, positions, return_kv=True, select=select)` with the layers unrolled over
+        `layers` (see `blocks`): (logits, keys, values), keys and values tuples of L arrays [B, T, K, D]."""
+        x, positions = self._embed(tokens, positions)
+        keys, values = [], []
+        for block in self.blocks(layers):
+            x, (k, v) = block(x, positions, None)
+            keys.append(k)
+            values.append(v)
+        if select is not None:
+            x = jnp.take_along_axis(x, select[:, None, None], axis=1)
+        return self._head(x), tuple(keys), tuple(values)
+
+    def blocks(self, layers=None) -> list[Block]:
+        """The L blocks, one at a time. `layers`: a sequence of L per-layer parameter trees (the stacked
+        `layers` entry of the parameters split on its leading axis); without it, slices of the stacked
+        weights, which XLA copies out on CPU before each matmul: separate buffers save that traffic."""
+        graphdef, stacked = nnx.split(self.layers)
+        if layers is None:
+            layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.cfg.n_layers)]
+        return [nnx.merge(graphdef, state) for state in layers]
 
     def _embed(self, tokens, positions):
         if positions is None:

@@ -40,7 +40,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from meshlm import sharding
 from meshlm.serve.loading import LoadedModel
 from meshlm.serve.sampling import SamplingParams, SlotSampling, sample
 
@@ -166,6 +168,20 @@ def length_buckets(max_seq_len: int, smallest: int = 32) -> tuple[int, ...]:
     return tuple(out) + (max_seq_len,)
 
 
+def split_layers(params: dict, shardings: dict) -> tuple[dict, tuple[dict, ...]]:
+    """(every weight but the stacked `layers`, one tree per layer): each layer's weights become their
+    own buffers, so a decode step's matmuls read them in place (a slice of the stacked array is a
+    copy on CPU: it tripled the weight traffic of a step). Done once, on the devices, layer by layer."""
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    one = jax.tree.map(lambda sh: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:])),
+                       shardings["layers"])
+    take = jax.jit(lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree),
+                   out_shardings=one)
+    layers = tuple(take(stacked, np.int32(i)) for i in range(n))
+    return {k: v for k, v in params.items() if k != "layers"}, layers
+
+
 def _scatter_rows(x: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
     return x.at[slots].set(rows.astype(x.dtype), mode="drop")  # padding rows carry slot B: dropped
 
@@ -206,11 +222,12 @@ class Engine:
             raise UsageError(f"prefill batch {self.prefill_batch} must be a multiple of dp×fsdp = {data}")
         self.eos_id = getattr(self.tokenizer, "eos_id", None)
 
-        self._params = model.params
+        self._params = split_layers(model.params, placement.shardings)
+        model.params = None  # the engine holds the weights split by layer now: no second copy
         self._state = self._empty_state()
         # Fixed layouts in and out, so the state a step returns is exactly what the next step expects.
         state_sh = jax.tree.map(lambda a: a.sharding, self._state)
-        params_sh = placement.shardings
+        params_sh = jax.tree.map(lambda a: a.sharding, self._params)
         rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), in_shardings=(params_sh, state_sh, rep, rep, rep, rep),
                                 out_shardings=(state_sh, rep))
@@ -246,7 +263,8 @@ class Engine:
         """Run padded prompts [Bp, P], write their keys/values into cache rows `slots`, sample first tokens."""
         P = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), tokens.shape)
-        logits, (k, v) = self.model.placement.apply(params, tokens, positions, return_kv=True, select=lengths - 1)
+        with self._activate(decoding=False):
+            logits, k, v = self._merge(params).prefill(tokens, positions, layers=params[1], select=lengths - 1)
         first = sample(logits[:, 0], settings, jnp.zeros_like(lengths))
         cache_k = tuple(c.at[slots, :P].set(k[i].astype(c.dtype), mode="drop") for i, c in enumerate(state.cache_k))
         cache_v = tuple(c.at[slots, :P].set(v[i].astype(c.dtype), mode="drop") for i, c in enumerate(state.cache_v))
@@ -259,11 +277,21 @@ class Engine:
         )
         return new, first
 
+    def _merge(self, params):
+        """The model over (other weights, per-layer weights); its blocks come from `layers=`."""
+        rest, layers = params
+        return nnx.merge(self.model.placement.graphdef, {**rest, "layers": layers[0]})
+
+    def _activate(self, decoding: bool):
+        strategy = self.model.placement.strategy
+        return sharding.activate(self.mesh, sharding.for_decoding(strategy) if decoding else strategy)
+
     def _decode_fn(self, params, state: DecodeState):
         """Every slot advances one token."""
-        logits, cache_k, cache_v = self.model.placement.decode(
-            params, state.tokens[:, None], state.positions[:, None], state.cache_k, state.cache_v
-        )
+        with self._activate(decoding=True):
+            logits, cache_k, cache_v = self._merge(params).decode(
+                state.tokens[:, None], state.positions[:, None], state.cache_k, state.cache_v, layers=params[1]
+            )
         nxt = sample(logits[:, 0], state.sampling, state.counts)
         last = self.max_seq_len - 1  # idle slots run on harmlessly; keep their writes inside the cache
         new = DecodeState(cache_k, cache_v, nxt, jnp.minimum(state.positions + 1, last), state.counts + 1,
