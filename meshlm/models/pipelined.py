@@ -6,13 +6,14 @@ token cross-entropy and its gradients for every parameter) but runs the layer st
 stacked layers as without a pipeline, so checkpoints move freely between pp sizes: stage k takes
 layers `k·L/S .. (k+1)·L/S - 1`.
 
-The embedding runs before the pipeline and its gradient is pulled back from the pipeline's input
-cotangent; the head (final norm, output projection, loss) runs inside the last stage's backward
-step. Both are replicated over `pp` (the head's gradients are summed over it).
+The embedding runs in the first stage (it is recomputed in the backward pass, so no stage holds the
+whole batch's activations), the head (final norm, output projection, loss) inside the last stage's
+backward step. Both tables are replicated over `pp`, and their gradients summed over it.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ import optax
 from flax import nnx
 
 from meshlm import sharding
+from meshlm.models.llama import Llama
 from meshlm.models.placement import Placement, _build
 from meshlm.ops.pipeline import Schedule, pipeline_value_and_grad
 
@@ -62,14 +64,9 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
     mb = {k: micro_batches(v, M) for k, v in batch.items()}
     count = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
-    tokens = mb["inputs"].reshape(-1, mb["inputs"].shape[-1])
-
-    def embed(table):
-        x, _ = nnx.merge(placement.graphdef, {**params, "embed": table})._embed(tokens, None)
-        return x.reshape(M, -1, *x.shape[1:])
-
-    with sharding.activate(mesh, placement.strategy):
-        x0, pull_embed = jax.vjp(embed, params["embed"])
+    def first_fn(table, s):  # the model's own embedding, on the table alone
+        x, _ = Llama._embed(SimpleNamespace(embed=table, cfg=cfg), s["inputs"], None)
+        return x
 
     def stage_fn(p, x, s):
         def body(x, layer_params):
@@ -93,11 +90,10 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
     # XLA's partitioner cannot yet take inputs split over the automatic axes into a shard_map that is
     # manual over pp only: hand them over whole (the stages' own constraints split the work again).
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    x0 = jax.lax.with_sharding_constraint(x0, whole)
-    side = {k: jax.lax.with_sharding_constraint(mb[k], whole) for k in ("positions", "segment_ids", "targets", "loss_mask")}
+    side = {k: jax.lax.with_sharding_constraint(v, whole) for k, v in mb.items()}
     staged = to_stages(params["layers"], schedule.pp, schedule.virtual)
-    loss, (g_staged, g_head, g_x0) = pipeline_value_and_grad(stage_fn, head_fn, staged, head, x0, side, schedule, mesh)
-    (g_embed,) = pull_embed(g_x0)
+    loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(first_fn, stage_fn, head_fn, params["embed"], staged,
+                                                                head, side, schedule, mesh)
     grads = {"embed": g_embed + g_head.get("embed", 0.0), "layers": from_stages(g_staged),
              "final_norm": g_head["final_norm"]}
     if not cfg.tie_embeddings:

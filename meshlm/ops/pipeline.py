@@ -13,8 +13,8 @@ Which rank does what when is a static table, made here in plain Python by simula
                  in flight whatever M is, the same bubble as GPipe
     interleaved  1F1B over V virtual stages per rank: the bubble shrinks by V, more messages
 
-A rank keeps only each in-flight microbatch's *input* to its stage (the stash); its backward pass
-recomputes the stage forward under `jax.vjp`. So a rank's activation memory is (stash slots) × (one
+A rank keeps only each in-flight microbatch's *input* to its stage (the stash; the first stage
+recomputes its input from the microbatch's tokens); its backward pass recomputes the stage forward. So a rank's activation memory is (stash slots) × (one
 microbatch's activation) + one stage's working set, and the stash size is the schedule's in-flight
 bound, which the table also fixes. Gradients are summed over microbatches in float32 order fixed by
 the table: exact up to summation order.
@@ -179,9 +179,7 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
                     break
                 done_kinds.add(kind)
                 nxt[r] += 1
-                if kind == FWD:
-                    if k == 0:
-                        act_slot[k, i] = take(free_act, n_act, r)
+                if kind == FWD:  # (stage 0 needs no stash: it recomputes its input from the tokens)
                     fwd_at[k, i] = t
                     row[r][0] = (1, k, i, act_slot[k, i], -1)
                 else:
@@ -189,7 +187,7 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
                     row[r][1] = (1, k, i, act_slot[k, i], cot_slot[k, i])
         # slots are freed after the clock: a forward and a backward in the same clock never share one
         for r in range(pp):
-            if row[r][1][0]:
+            if row[r][1][0] and row[r][1][3] >= 0:
                 free_act[r].append(row[r][1][3])
                 if row[r][1][4] >= 0:
                     free_cot[r].append(row[r][1][4])
@@ -220,24 +218,25 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
 
 
 def pipeline_value_and_grad(
+    first_fn: Callable[[Any, Any], jax.Array],
     stage_fn: Callable[[Any, jax.Array, Any], jax.Array],
     head_fn: Callable[[Any, jax.Array, Any], jax.Array],
+    first_params: Any,
     stage_params: Any,
     head_params: Any,
-    inputs: jax.Array,
     side: Any,
     schedule: Schedule,
     mesh,
     axis: str = "pp",
 ):
-    """Loss and gradients of `sum_i head_fn(head, stage_{S-1}(... stage_0(inputs[i], s_i)), s_i)`.
+    """Loss and gradients of `sum_i head_fn(head, stage_{S-1}(... stage_0(first_fn(first, s_i), s_i)), s_i)`.
 
+    first_params, head_params: replicated over `axis`. first_fn(first, s_i) -> x: the first stage's
+        input for microbatch i (the embedding); head_fn(head, x, s_i) -> scalar (its share of the loss).
     stage_params: leaves shaped [pp, V, ...], sharded over `axis` on dim 0; stage k = v·pp + r is
         `leaf[r, v]`. stage_fn(one stage's params, x, s_i) -> x of the same shape.
-    head_params: replicated over `axis`; head_fn(head, x, s_i) -> scalar (its share of the loss).
-    inputs: [M, ...] microbatches (the embedded tokens); side: a pytree of [M, ...] arrays, s_i its
-        i-th slices (targets, positions, segment ids: whatever the stages and the head need).
-    Returns (loss, (d stage_params, d head_params, d inputs)).
+    side: a pytree of [M, ...] arrays, s_i its i-th slices (tokens, targets, positions, segment ids).
+    Returns (loss, (d first_params, d stage_params, d head_params)).
 
     No rank branches on its own data: collectives inside a stage (tp, sp, fsdp) need every rank in
     step. A rank with nothing to do in a clock computes on its trash slot and throws the result away.
@@ -247,10 +246,11 @@ def pipeline_value_and_grad(
     fwd_perm = [(r, (r + 1) % pp) for r in range(pp)]
     bwd_perm = [(r, (r - 1) % pp) for r in range(pp)]
 
-    def per_rank(params, head, x0, side_, fwd_t, bwd_t, recv_a, recv_c):
+    def per_rank(first, params, head, side_, fwd_t, bwd_t, recv_a, recv_c):
         params = jax.tree.map(lambda a: a[0], params)  # [V, ...]: this rank's virtual stages
         fwd_t, bwd_t, recv_a, recv_c = fwd_t[:, 0], bwd_t[:, 0], recv_a[:, 0], recv_c[:, 0]
-        h_shape, dtype = x0.shape[1:], x0.dtype
+        probe = jax.eval_shape(first_fn, first, jax.tree.map(lambda a: a[0], side_))
+        h_shape, dtype = probe.shape, probe.dtype
 
         def stage_at(v):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
@@ -258,34 +258,36 @@ def pipeline_value_and_grad(
         def side_at(i):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), side_)
 
+        def stage_input(fp, k, s_i, stashed):
+            return jnp.where(k == 0, first_fn(fp, s_i).astype(dtype), stashed)
+
         def forward(carry, row):
-            acts, cots, g, gh, loss, gx = carry
+            acts, cots, g, gf, gh, loss = carry
             active, k, i, aslot, _ = (row[j] for j in range(5))
-            x = jnp.where(active & (k == 0), x0[i], acts[aslot])
-            acts = acts.at[aslot].set(x)  # stage 0 stashes its input; the others find it already there
-            y = stage_fn(stage_at(k // pp), x, side_at(i))
-            return (acts, cots, g, gh, loss, gx), y
+            s_i = side_at(i)
+            y = stage_fn(stage_at(k // pp), stage_input(first, k, s_i, acts[aslot]), s_i)
+            return (acts, cots, g, gf, gh, loss), y
 
         def backward(carry, row):
-            acts, cots, g, gh, loss, gx = carry
+            acts, cots, g, gf, gh, loss = carry
             active, k, i, aslot, cslot = (row[j] for j in range(5))
             v, s_i, last = k // pp, side_at(i), (k == S - 1)
             cot = jax.lax.stop_gradient(cots[cslot])
 
-            def objective(p, hp, x):  # the last stage's loss, or the pull-back of the next stage's cotangent
-                y = stage_fn(p, x, s_i)
+            def objective(fp, p, hp, x):  # the last stage's loss, or the pull-back of the next stage's cotangent
+                y = stage_fn(p, stage_input(fp, k, s_i, x), s_i)
                 out = head_fn(hp, y, s_i).astype(jnp.float32)
                 pulled = jnp.vdot(y.astype(jnp.float32), cot.astype(jnp.float32))
                 return jnp.where(last, out, pulled), out
 
-            (_, out), (dp, dh, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
-                stage_at(v), head, acts[aslot])
+            (_, out), (df, dp, dh, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True)(
+                first, stage_at(v), head, acts[aslot])
             on = active == 1
             g = jax.tree.map(lambda G, d: jnp.where(on, G.at[v].add(d.astype(G.dtype)), G), g, dp)
+            gf = jax.tree.map(lambda G, d: jnp.where(on & (k == 0), G + d.astype(G.dtype), G), gf, df)
             gh = jax.tree.map(lambda G, d: jnp.where(on & last, G + d.astype(G.dtype), G), gh, dh)
             loss = jnp.where(on & last, loss + out, loss)
-            gx = jnp.where(on & (k == 0), gx.at[i].set(dx.astype(gx.dtype)), gx)
-            return (acts, cots, g, gh, loss, gx), dx.astype(dtype)
+            return (acts, cots, g, gf, gh, loss), dx.astype(dtype)
 
         def clock(kind):
             def run(carry, t):  # compute first, then deliver: an arrival may reuse a slot read this clock
@@ -300,27 +302,22 @@ def pipeline_value_and_grad(
                 return carry, None
             return run
 
-        carry = (
-            jnp.zeros((A + 1, *h_shape), dtype),
-            jnp.zeros((C + 1, *h_shape), dtype),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head),
-            jnp.zeros((), jnp.float32),
-            jnp.zeros_like(x0),
-        )
+        zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+        carry = (jnp.zeros((A + 1, *h_shape), dtype), jnp.zeros((C + 1, *h_shape), dtype),
+                 zeros32(params), zeros32(first), zeros32(head), jnp.zeros((), jnp.float32))
         for kind, start, end in schedule.segments():
             carry, _ = jax.lax.scan(clock(kind), carry, jnp.arange(start, end))
-        _, _, g, gh, loss, gx = carry
+        _, _, g, gf, gh, loss = carry
         g = jax.tree.map(lambda G, p: G.astype(p.dtype)[None], g, params)
-        gh = jax.tree.map(lambda G, p: jax.lax.psum(G, axis).astype(p.dtype), gh, head)
-        return jax.lax.psum(loss, axis), g, gh, jax.lax.psum(gx, axis)
+        summed = lambda G, p: jax.lax.psum(G, axis).astype(p.dtype)  # noqa: E731
+        return jax.lax.psum(loss, axis), jax.tree.map(summed, gf, first), g, jax.tree.map(summed, gh, head)
 
     stage_spec = jax.tree.map(lambda _: P(axis), stage_params)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     by_rank = P(None, axis)
     fn = jax.shard_map(per_rank, mesh=mesh, axis_names={axis},
-                       in_specs=(stage_spec, rep(head_params), P(), rep(side), by_rank, by_rank, by_rank, by_rank),
-                       out_specs=(P(), stage_spec, rep(head_params), P()), check_vma=False)
+                       in_specs=(rep(first_params), stage_spec, rep(head_params), rep(side), *(by_rank,) * 4),
+                       out_specs=(P(), rep(first_params), stage_spec, rep(head_params)), check_vma=False)
     tables = (schedule.fwd, schedule.bwd, schedule.recv_act, schedule.recv_cot)
-    loss, g, gh, gx = fn(stage_params, head_params, inputs, side, *(jnp.asarray(a) for a in tables))
-    return loss, (g, gh, gx)
+    loss, gf, g, gh = fn(first_params, stage_params, head_params, side, *(jnp.asarray(a) for a in tables))
+    return loss, (gf, g, gh)
