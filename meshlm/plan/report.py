@@ -26,6 +26,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3g}" if n >= 1e7 else f"{n / 1e9:.2g}"
 
 
+def _links(hw: Hardware) -> str:
+    fast = f"{hw.fast_name} {hw.fast_bandwidth / 1e9:.3g} GB/s"
+    if (hw.slow_name, hw.slow_bandwidth) == (hw.fast_name, hw.fast_bandwidth):
+        return fast  # simulated CPU devices: one kind of link
+    return f"{fast}, {hw.slow_name} {hw.slow_bandwidth / 1e9:.3g} GB/s"
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1f}%"
 
@@ -110,8 +117,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     c = job.cfg
     console.print(f"[bold]{' '.join(model_flags)}[/]: {c.num_params() / 1e9:.3g}B parameters; batch {job.batch_size} × "
                   f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
-                  f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB, {hw.fast_name} {hw.fast_bandwidth / 1e9:.3g} GB/s, "
-                  f"{hw.slow_name} {hw.slow_bandwidth / 1e9:.3g} GB/s per device); remat {c.remat}", highlight=False)
+                  f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB, {_links(hw)} per device); remat {c.remat}", highlight=False)
     verified = any(p.compiled for p in plans[:top])
     table = Table(title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
                         "(params + gradients + optimizer + activations + temporaries)")
