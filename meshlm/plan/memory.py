@@ -19,19 +19,20 @@ program of meshlm's layer stacks for the backward pass under each `--remat` poli
 Temporaries are what else is live at the peak. The compiled step peaks in one of two places, and
 the peak is the larger of the two:
 
-    forward    the forward pass is done and the backward pass starts: the saved activations, the
-               gathered embedding table and head with their first gradients, one layer's working set
-    backward   deep in the backward pass: gradients accumulate while activations are still read,
-               fsdp-gathered weights and the logits' gradient are live
+    forward    about where the backward pass starts: embedding table and head with their gradients,
+               the residual stream's buffers, one layer's working set, the gradients so far
+    backward   deep in the backward pass: the saved activations still to be read, fsdp-gathered
+               weights, the logits' gradient, the residual stream's buffers
 
-Each place is a sum of terms (sizes below), each with a coefficient: how many buffers of that size
-XLA's buffer assignment holds there. The coefficients were fitted once, by a linear program that
-minimises the worst relative error, to the compiled peak of 30 (model, mesh, remat, batch, seq_len,
-grad_accum) cases on 8 simulated CPU devices: all 30 lie within -2.0% .. +9.0% of the compiled peak
-(`bench/plan_accuracy.py` prints the figures for the 12-case test grid). They describe XLA:CPU's
-schedule; other backends schedule differently, so treat the temporaries as an estimate and the
-state, gradients and activations as the firm part. Peak memory is the state plus the batch plus the
-larger place, the figure `compiled.memory_analysis()` gives as argument + output - alias + temp bytes.
+Each place is a sum of terms (sizes below), each with a coefficient: about how many buffers of that
+size XLA's buffer assignment holds there (a fit, so a coefficient below 1 means "partly live"). The
+coefficients were fitted once, by a linear program that minimises the worst relative error, to the
+compiled peak of 30 (model, mesh, remat, batch, seq_len, grad_accum) cases on 8 simulated CPU
+devices: all 30 lie within -2.0% .. +9.0% of the compiled peak (`bench/plan_accuracy.py` prints the
+figures for the 12-case test grid). They describe XLA:CPU's schedule; other backends schedule
+differently, so treat the temporaries as an estimate and the state, gradients and activations as the
+firm part. Peak memory is the state plus the batch plus the larger place, the figure
+`compiled.memory_analysis()` gives as argument + output - alias + temp bytes.
 """
 
 from __future__ import annotations
