@@ -116,6 +116,9 @@ def run(argv: list[str]) -> int:
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
     job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum)
     only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices) if args.mesh_dim else None
+    if only is not None and getattr(only, "pp", 1) > 1:
+        raise UsageError(f"--mesh_dim={args.mesh_dim}: meshlm plan does not model pipeline stages (pp); "
+                         "give a dp,fsdp,tp,sp mesh without pp")
     plans, rejected = search.search(job, hw, only)
 
     if args.verify:
