@@ -187,10 +187,11 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
                     row[r][1] = (1, k, i, act_slot[k, i], cot_slot[k, i])
         # slots are freed after the clock: a forward and a backward in the same clock never share one
         for r in range(pp):
-            if row[r][1][0] and row[r][1][3] >= 0:
-                free_act[r].append(row[r][1][3])
-                if row[r][1][4] >= 0:
-                    free_cot[r].append(row[r][1][4])
+            active, _, _, a_slot, c_slot = row[r][1]
+            if active and a_slot >= 0:
+                free_act[r].append(a_slot)
+            if active and c_slot >= 0:
+                free_cot[r].append(c_slot)
         # messages sent this clock land at its end
         ra, rc = [-1] * pp, [-1] * pp
         for r in range(pp):

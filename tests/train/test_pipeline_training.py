@@ -1,0 +1,86 @@
+"""`meshlm train --pp`: the losses of the run without a pipeline, bounded memory with 1F1B, and
+checkpoints that move between pipeline sizes."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from meshlm.errors import UsageError
+from meshlm.mesh import build_mesh, parse_mesh_dim
+from meshlm.models.configs import resolve_model
+from meshlm.models.placement import place
+from meshlm.ops.pipeline import build_schedule
+from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+from meshlm.train.state import abstract_state
+from meshlm.train.step import BATCH_KEYS, make_train_step
+from meshlm.train.loop import TrainConfig, train
+
+BASE = dict(model="test", model_overrides={"n_layers": "4"}, dataset="synthetic", batch_size=8, seq_len=32,
+            log_every=1, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0, dtype="float32", peak_tflops=1.0)
+
+
+def run(out, **kw) -> dict[int, float]:
+    train(TrainConfig(**{**BASE, "output_dir": str(out), **kw}))
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("plain"), mesh_dim="1,8,1,1", steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    dict(pp=2, mesh_dim="1,1,4,1", pipeline_schedule="gpipe"),
+    dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="1f1b", microbatches=4),
+    dict(pp=2, mesh_dim="1,1,2,2", pipeline_schedule="interleaved", virtual_stages=2, microbatches=4),
+    dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="1f1b", microbatches=4),
+    dict(pp=4, mesh_dim="1,1,2,1", pipeline_schedule="gpipe", microbatches=8),
+], ids=lambda f: f"pp{f['pp']}-{f['pipeline_schedule']}-{f['mesh_dim']}")
+def test_pipelined_training_gives_the_losses_without_a_pipeline(plain, tmp_path, flags):
+    got = run(tmp_path, steps=3, **flags)
+    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [plain[s] for s in (1, 2, 3)], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_with_pp_2_continues_with_pp_1(plain, tmp_path):
+    run(tmp_path, pp=2, mesh_dim="1,2,2,1", steps=2)
+    got = run(tmp_path, mesh_dim="1,8,1,1", steps=3)
+    np.testing.assert_allclose(got[3], plain[3], rtol=1e-5)
+
+
+def temp_bytes(schedule_name: str, M: int) -> int:
+    """Compiled per-device temporary memory of the pp=4 train step, 2 rows per microbatch."""
+    cfg = resolve_model("test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4",
+                                 "mlp_dim": "256"}).replace(dtype="float32")
+    mesh = build_mesh(parse_mesh_dim("1,1,1,1", 4, pp=4), jax.devices()[:4])
+    placement = place(cfg, mesh)
+    optimizer = make_optimizer(OptimizerConfig())
+    step = make_train_step(placement, optimizer, pipeline=build_schedule(schedule_name, 4, M))
+    batch = {k: jax.ShapeDtypeStruct((2 * M, 64), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
+    return step.lower(abstract_state(placement, optimizer), batch).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_1f1b_memory_stays_flat_as_microbatches_double_and_gpipe_grows():
+    f8, f16 = temp_bytes("1f1b", 8), temp_bytes("1f1b", 16)
+    g8, g16 = temp_bytes("gpipe", 8), temp_bytes("gpipe", 16)
+    assert f16 <= 1.10 * f8, (f8, f16)  # 1F1B: the stash holds at most 2·pp microbatches, whatever M is
+    assert g16 >= 1.05 * g8 and g16 - g8 > 10 * max(f16 - f8, 1), (g8, g16, f8, f16)  # GPipe: all M of them
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(pp=2, mesh_dim="1,2,2,1", microbatches=1), "--microbatches=1 is fewer than the --pp=2"),
+    (dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="interleaved", virtual_stages=2), "do not split into --pp=4"),
+    (dict(pp=2, mesh_dim="1,4,1,1", microbatches=4), "does not split into --microbatches=4"),
+    (dict(pp=2, mesh_dim="1,2,2,1", grad_accum=2), "drop --grad_accum"),
+    (dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="zigzag"), "--pipeline_schedule=zigzag"),
+    (dict(pp=3, mesh_dim="1,-1,1,1"), "--pp=3 does not divide the 8 devices"),
+])
+def test_bad_pipeline_flags_are_one_line(tmp_path, flags, words):
+    with pytest.raises(UsageError, match=words):
+        run(tmp_path, steps=1, **flags)
