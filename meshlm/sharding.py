@@ -38,6 +38,21 @@ class Strategy:
     params: Mapping[str, MeshAxes]
     activations: Mapping[str, MeshAxes]
     doc: str = ""
+    # Where gradients and optimizer state live (ZeRO stages, `meshlm.strategy.zero`); None: as params.
+    grads: Mapping[str, MeshAxes] | None = None
+    opt_state: Mapping[str, MeshAxes] | None = None
+    # Activation axes that give their mesh axes up to another dimension of the same array that claims
+    # them (Megatron sequence parallelism: `length` over tp, except where heads or mlp take tp).
+    shared: frozenset[str] = frozenset()
+    zero_stage: int | None = None  # the --zero_stage applied to this table, for messages
+
+    def table(self, what: str) -> Mapping[str, MeshAxes]:
+        """The logical table for `params`, `grads`, `opt_state` or `activations`."""
+        return getattr(self, what) if getattr(self, what) is not None else self.params
+
+    def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The mesh axes (of size > 1) the batch is split over: the axes ZeRO shards state over."""
+        return tuple(a for a in _as_tuple(self.activations.get("batch")) if mesh.shape.get(a, 1) > 1)
 
 
 _MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None}
@@ -63,24 +78,32 @@ def for_decoding(strategy: Strategy) -> Strategy:
     )
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    """A table entry (None, one mesh axis or several) as a tuple of mesh axes."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes], mesh: Mesh | None = None) -> P:
+_as_tuple = as_tuple
+
+
+def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes], mesh: Mesh | None = None,
+                    shared: frozenset[str] = frozenset()) -> P:
     """Map logical axis names to a PartitionSpec. Mesh axes of size 1, or absent from the mesh (pp
-    without a pipeline), are dropped: they shard nothing."""
-    entries = []
-    used: set[str] = set()
+    without a pipeline), are dropped: they shard nothing. A `shared` logical axis gives up a mesh axis
+    that another dimension of the same array claims; any other clash is an error."""
+    per_dim = []
     for name in logical:
-        if name is None:
-            entries.append(None)
-            continue
-        if name not in table:
+        if name is not None and name not in table:
             raise UsageError(f"logical axis {name!r} has no entry in the sharding table; known: {', '.join(table)}")
-        axes = tuple(a for a in _as_tuple(table[name]) if mesh is None or mesh.shape.get(a, 1) > 1)
+        axes = () if name is None else _as_tuple(table[name])
+        per_dim.append(tuple(a for a in axes if mesh is None or mesh.shape.get(a, 1) > 1))
+    claimed = {a for name, axes in zip(logical, per_dim) if name not in shared for a in axes}
+    entries, used = [], set()
+    for name, axes in zip(logical, per_dim):
+        if name in shared:
+            axes = tuple(a for a in axes if a not in claimed)
         if clash := used.intersection(axes):
             raise UsageError(f"logical axes {tuple(logical)} put mesh axis {sorted(clash)[0]!r} on two dimensions")
         used.update(axes)
@@ -100,11 +123,13 @@ def spec_divides(spec: P, shape: Sequence[int], mesh: Mesh) -> str | None:
 # --------------------------------------------------------------------------------------- parameters
 
 
-def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any | None = None) -> Any:
-    """Pytree of logical PartitionSpecs (from `nnx.get_partition_spec`) -> pytree of mesh PartitionSpecs."""
+def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any | None = None,
+                what: str = "params") -> Any:
+    """Pytree of logical PartitionSpecs (from `nnx.get_partition_spec`) -> pytree of mesh PartitionSpecs,
+    by the strategy's table for `what` (params, grads or opt_state)."""
 
     def one(path, logical, shape=None):
-        spec = logical_to_spec(tuple(logical), strategy.params, mesh)
+        spec = logical_to_spec(tuple(logical), strategy.table(what), mesh)
         if shape is not None and (problem := spec_divides(spec, shape, mesh)):
             raise UsageError(f"parameter {jax.tree_util.keystr(path)} {tuple(shape)}: {problem}; choose another mesh_dim")
         return spec
@@ -150,7 +175,7 @@ def activation_spec(logical: Sequence[str | None]) -> P | None:
     active = _ACTIVE.get()
     if active is None:
         return None
-    return logical_to_spec(logical, active.strategy.activations, active.mesh)
+    return logical_to_spec(logical, active.strategy.activations, active.mesh, active.strategy.shared)
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
@@ -158,14 +183,14 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
         return x
-    spec = logical_to_spec(logical, active.strategy.activations, active.mesh)
+    spec = logical_to_spec(logical, active.strategy.activations, active.mesh, active.strategy.shared)
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
 
 
 def batch_sharding(mesh: Mesh, strategy: Strategy = DEFAULT, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
     logical = ("batch", "length") + (None,) * (ndim - 2)
-    return NamedSharding(mesh, logical_to_spec(logical[:ndim], strategy.activations, mesh))
+    return NamedSharding(mesh, logical_to_spec(logical[:ndim], strategy.activations, mesh, strategy.shared))
 
 
 @dataclass(frozen=True)
@@ -180,13 +205,16 @@ class RingSpec:
 
 
 def sequence_parallel_size(mesh: Mesh, strategy: Strategy = DEFAULT) -> int:
+    """How many ways RingAttention splits the sequence (1: no ring; a `shared` length never rings)."""
+    if "length" in strategy.shared:
+        return 1
     return math.prod(mesh.shape[a] for a in _as_tuple(strategy.activations.get("length")))
 
 
 def ring_spec() -> RingSpec | None:
     """The ring layout when the active strategy splits `length` over the mesh, else None."""
     active = _ACTIVE.get()
-    if active is None:
+    if active is None or "length" in active.strategy.shared:
         return None
     axes = [a for a in _as_tuple(active.strategy.activations.get("length")) if active.mesh.shape[a] > 1]
     if not axes:

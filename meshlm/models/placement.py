@@ -5,7 +5,9 @@
     logits = placement.apply(params, tokens)     # inside jit: activations constrained on the mesh
 
 Parameters are plain nested dicts of arrays (`{"layers": {"attn": {"wq": ...}}}`), the same tree for
-training, checkpoints and weight conversion.
+training, checkpoints and weight conversion. With per-layer-range strategies (`[[layers]]` in a
+`--sharding_rules` file) the stacked layers are split into groups, `{"layers": {"0-15": ..., "16-31": ...}}`,
+each laid out by its own strategy and run as its own scan; `canonical` joins them back.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from functools import cached_property
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from meshlm import sharding
+from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
-from meshlm.models.llama import Llama
+from meshlm.models.llama import REMAT_POLICIES, Llama
+from meshlm.strategy.rules import LayerGroup, Rules, flatten, resolve, unflatten
 
 
 def _build(cfg: ModelConfig, seed: int) -> Llama:
@@ -37,10 +42,25 @@ class Placement:
     logical: Any  # pure dict of logical PartitionSpecs, e.g. P('layers', 'embed', 'mlp')
     specs: Any  # pure dict of mesh PartitionSpecs, e.g. P(None, 'fsdp', 'tp')
     shapes: Any  # pure dict of jax.ShapeDtypeStruct
+    grad_specs: Any = None  # where gradients live (ZeRO stage 2+ shards them); None: as specs
+    opt_specs: Any = None  # where optimizer moments live (ZeRO stage 1+ shards them); None: as specs
+    sources: Any = None  # {"layers/mlp/gate": "table default", ...}: what produced each spec
+    groups: tuple[LayerGroup, ...] = ()  # per-layer-range strategies; () when the layers are one stack
 
     @cached_property
     def shardings(self) -> Any:
         return sharding.named(self.mesh, self.specs)
+
+    @cached_property
+    def grad_shardings(self) -> Any:
+        return sharding.named(self.mesh, self.grad_specs if self.grad_specs is not None else self.specs)
+
+    @cached_property
+    def opt_shardings(self) -> Any:
+        return sharding.named(self.mesh, self.opt_specs if self.opt_specs is not None else self.specs)
+
+    def strategies(self) -> list[sharding.Strategy]:
+        return [self.strategy, *(g.strategy for g in self.groups)]
 
     @cached_property
     def abstract(self) -> Any:
@@ -48,8 +68,22 @@ class Placement:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.shapes, self.shardings)
 
     def random_params(self, seed: int = 0) -> Any:
-        """Traceable: random parameters as a pure dict. Same values on every mesh for the same seed."""
-        return nnx.to_pure_dict(nnx.state(_build(self.cfg, seed), nnx.Param))
+        """Traceable: random parameters as a pure dict. Same values on every mesh (and grouping) for the same seed."""
+        return self.grouped(nnx.to_pure_dict(nnx.state(_build(self.cfg, seed), nnx.Param)))
+
+    def grouped(self, params: Any) -> Any:
+        """The one-stack tree -> this placement's tree (layer groups split off; the same tree without groups)."""
+        if not self.groups:
+            return params
+        layers = params["layers"]
+        return {**params, "layers": {g.key: jax.tree.map(lambda a, g=g: a[g.start:g.stop], layers) for g in self.groups}}
+
+    def canonical(self, params: Any) -> Any:
+        """This placement's tree -> the one-stack tree of checkpoints and weight conversion."""
+        if not self.groups:
+            return params
+        parts = [params["layers"][g.key] for g in self.groups]
+        return {**params, "layers": jax.tree.map(lambda *a: jnp.concatenate(a), *parts)}
 
     def init(self, seed: int = 0) -> Any:
         """Random parameters, created already sharded: each device computes only its own shards."""
@@ -57,8 +91,37 @@ class Placement:
 
     def apply(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, **kw) -> jax.Array:
         """Logits [B, T, V] float32 (see `Llama.__call__` for `return_kv` and `select`). Call under jit."""
+        if self.groups:
+            if kw:
+                raise UsageError("per-layer-range strategies ([[layers]]) are for training; serve with one strategy")
+            return self._apply_groups(params, tokens, positions, segment_ids)
         with sharding.activate(self.mesh, self.strategy):
             return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids, **kw)
+
+    def _apply_groups(self, params, tokens, positions, segment_ids):
+        """Embedding and head under the main strategy; each layer group scanned under its own. At a
+        boundary the residual stream moves from one group's layout to the next one's (XLA reshards it)."""
+        first = params["layers"][self.groups[0].key]
+        model = nnx.merge(self.graphdef, {**params, "layers": first})  # embed, final_norm, lm_head
+        layer_def, _ = nnx.split(nnx.eval_shape(lambda: _build(self.cfg, 0)).layers, nnx.Param)
+        with sharding.activate(self.mesh, self.strategy):
+            x, positions = model._embed(tokens, positions)
+
+        def body(x, layer_params):
+            x, _ = nnx.merge(layer_def, layer_params)(x, positions, segment_ids)
+            return x, None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        for before, group in zip((None, *self.groups), self.groups):
+            with sharding.activate(self.mesh, group.strategy):
+                if before is not None:  # the residual stream moves to this group's layout here
+                    with jax.named_scope(f"boundary {before.key}>{group.key}"):
+                        x = sharding.constrain(x, ("batch", "length", "embed"))
+                with jax.named_scope(f"layers {group.key}"):
+                    x, _ = jax.lax.scan(body, x, params["layers"][group.key])
+        with sharding.activate(self.mesh, self.strategy):
+            return model._head(x)
 
     def decode(self, params: Any, tokens, positions, cache_k, cache_v):
         """One cached decode step (see `Llama.decode`), laid out by the strategy's decoding variant."""
@@ -82,12 +145,30 @@ class Placement:
         return total
 
 
-def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = sharding.DEFAULT) -> Placement:
-    """Trace the model abstractly and shard each parameter by the strategy's table."""
+def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = sharding.DEFAULT,
+          rules: Rules | None = None) -> Placement:
+    """Trace the model abstractly and lay out each parameter (and its gradient and optimizer moments)
+    by its strategy's tables, then by the first matching rule (`meshlm.strategy`)."""
     abstract = nnx.eval_shape(lambda: _build(cfg, 0))
     graphdef, state = nnx.split(abstract, nnx.Param)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
     shapes = nnx.to_pure_dict(state)
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
-    specs = sharding.param_specs(logical, strategy, mesh, jax.tree.map(lambda s: s.shape, shapes))
-    return Placement(cfg, mesh, strategy, graphdef, logical, specs, shapes)
+    groups = rules.groups(cfg.n_layers, strategy) if rules else ()
+    if groups:
+        logical = {**logical, "layers": {g.key: logical["layers"] for g in groups}}
+        shapes = {**shapes, "layers": {g.key: jax.tree.map(
+            lambda s, n=g.stop - g.start: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), shapes["layers"])
+            for g in groups}}
+
+    def strategy_of(path: str) -> tuple[sharding.Strategy, str]:
+        for g in groups:
+            if path.startswith(f"layers/{g.key}/"):
+                return g.strategy, f"table {g.strategy.name} (layers {g.key})"
+        return strategy, f"table {strategy.name}"
+
+    flat_shapes = {p: tuple(s.shape) for p, s in flatten(shapes).items()}
+    resolved = resolve({p: tuple(s) for p, s in flatten(logical).items()}, flat_shapes, strategy_of, rules, mesh)
+    specs, grad_specs, opt_specs = (unflatten(resolved.specs[w]) for w in ("params", "grads", "opt_state"))
+    return Placement(cfg, mesh, strategy, graphdef, logical, specs, shapes, grad_specs, opt_specs,
+                     resolved.sources, groups)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -35,6 +36,9 @@ class TrainConfig:
     pipeline_schedule: str = _flag("1f1b", "with --pp: gpipe, 1f1b (memory bounded by 2·pp microbatches) or interleaved (with --virtual_stages)")
     microbatches: int | None = _flag(None, "with --pp: microbatches per step (default: 2·pp); the batch splits into them")
     virtual_stages: int = _flag(1, "with --pipeline_schedule=interleaved: stages per device (the bubble shrinks by this much)")
+    strategy: str = _flag("default", "sharding preset: default, dp, fsdp, fsdp_tp, megatron, megatron_sp, fsdp_sp (tables in docs/strategies.md)")
+    zero_stage: int | None = _flag(None, "ZeRO over the axes the batch splits over: 0 replicate all, 1 shard optimizer state, 2 and gradients (reduce-scatter), 3 and parameters (default: as the preset says)")
+    sharding_rules: str | None = _flag(None, "TOML file of overrides over the preset: [logical] axes, [[rules]] regex on parameter paths -> spec, [[layers]] ranges -> preset")
     devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only; per process)")
     dcn_mesh_dim: str | None = _flag(None, "several hosts: how many ways each of dp,fsdp,tp,sp is split across hosts; --mesh_dim is then one host's share (default: --mesh_dim is the whole mesh, hosts over dp, then fsdp)")
     coordinator_address: str | None = _flag(None, "several processes: HOST:PORT of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, or the cluster's own, e.g. SLURM)")
@@ -80,6 +84,27 @@ class TrainConfig:
             raise UsageError(f"--param_dtype={self.param_dtype}: choose float32 or bfloat16")
         if self.batch_size % self.grad_accum:
             raise UsageError(f"--batch_size={self.batch_size} is not divisible by --grad_accum={self.grad_accum}")
+
+
+def choose_strategy(cfg: TrainConfig, shape, n_layers: int, pipelined: bool = False):
+    """(strategy, rules) from --strategy, --zero_stage and --sharding_rules, checked against the mesh
+    and the batch before anything compiles."""
+    from meshlm.sharding import as_tuple
+    from meshlm.strategy import choose
+
+    strategy, rules = choose(cfg.strategy, cfg.zero_stage, cfg.sharding_rules)
+    if rules and rules.layers and pipelined:
+        raise UsageError(f"{cfg.sharding_rules}: [[layers]] ranges with --pp: the pipeline stages already split "
+                         "the layers; drop one of them")
+    sizes = shape.as_dict()
+    rows = cfg.batch_size // cfg.grad_accum
+    for s in (strategy, *(r.strategy for r in (rules.layers if rules else ()))):
+        axes = [a for a in as_tuple(s.activations.get("batch")) if sizes.get(a, 1) > 1]
+        ways = math.prod(sizes[a] for a in axes)
+        if rows % ways:
+            raise UsageError(f"--strategy={s.name.split('+')[0]} splits the batch over {'×'.join(axes)} = {ways} devices "
+                             f"but a step has {rows} rows; use a --batch_size that is a multiple of {ways * cfg.grad_accum}")
+    return strategy, rules
 
 
 def configure_devices(devices: int | None) -> None:
@@ -214,8 +239,11 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
     )
 
+    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers, pipeline is not None)
+    if init_source is not None and rules and rules.layers:
+        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
     mesh = meshlib.build_mesh(shape, dcn=dcn)
-    placement = place(model_cfg, mesh)
+    placement = place(model_cfg, mesh, strategy, rules)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, cfg.steps // 10)
     opt_cfg = OptimizerConfig(
         lr=cfg.lr, warmup_steps=warmup, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio,
@@ -227,6 +255,11 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
         f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
     )
+    if strategy.name != "default" or rules:
+        groups = ", ".join(f"layers {g.key}: {g.strategy.name}" for g in placement.groups)
+        console.print(f"strategy: {strategy.name}" + (f" ({groups})" if groups else "")
+                      + (f"; {len(rules.rules)} rule(s) from {rules.path}" if rules else "")
+                      + " — `meshlm explain` with the same flags shows every layout and collective")
     if pipeline is not None:
         console.print(f"pipeline: {pipeline.name}, {shape.pp} stages"
                       + (f" × {pipeline.virtual} virtual" if pipeline.virtual > 1 else "")

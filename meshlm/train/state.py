@@ -18,11 +18,12 @@ class TrainState(NamedTuple):
 
 
 def state_shardings(placement: Placement, optimizer: optax.GradientTransformation) -> TrainState:
-    """Optimizer moments follow their parameter's sharding (so fsdp shards them too); counters replicate."""
+    """Optimizer moments take their parameter's optimizer-state layout (the parameter's own, or sharded
+    further by a ZeRO stage); counters replicate."""
     replicated = sharding.replicated(placement.mesh)
     opt_shape = jax.eval_shape(optimizer.init, placement.shapes)
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_shape, placement.shardings, transform_non_params=lambda _: replicated
+        optimizer, lambda _, s: s, opt_shape, placement.opt_shardings, transform_non_params=lambda _: replicated
     )
     return TrainState(step=replicated, params=placement.shardings, opt_state=opt_shardings)
 

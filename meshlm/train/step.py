@@ -3,10 +3,16 @@
 The loss is the mean token cross-entropy (float32) over tokens whose `loss_mask` is 1. With gradient
 accumulation the step sums losses and token counts over micro-batches and divides once, so the update
 is exactly the one of a single large batch.
+
+Gradients are laid out as the placement says (`grad_specs`). With `--zero_stage` 0, 1 or 2 each data
+shard computes its own gradients in a `shard_map` over the data axes and one explicit collective
+combines them: an all-reduce (stages 0, 1) or a reduce-scatter onto the sharded layout (stage 2).
+Otherwise (stage 3, or no stage) XLA's partitioner places the collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -15,7 +21,8 @@ import numpy as np
 import optax
 
 from meshlm import sharding
-from meshlm.models.pipelined import pipelined_loss_and_grads
+from meshlm.errors import UsageError
+from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
 from meshlm.train.state import TrainState, state_shardings
@@ -42,6 +49,66 @@ def _micro_batches(batch: dict, n: int, placement: Placement) -> dict:
     return {k: split(v) for k, v in batch.items()}
 
 
+def _accumulate(grad_fn: Callable, params: Any, micro: dict):
+    """Sums of losses, token counts and gradients over the leading micro-batch axis (one scan)."""
+    def accumulate(carry, one):
+        (nll, count), grads = grad_fn(params, one)
+        return jax.tree.map(jnp.add, carry, (nll, count, grads)), None
+
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(accumulate, zeros, micro)[0]
+
+
+def _drop_axes(strategy: sharding.Strategy, axes: tuple[str, ...]) -> sharding.Strategy:
+    """The strategy's activations without these mesh axes (inside a shard_map that is manual over them)."""
+    acts = {k: tuple(a for a in sharding.as_tuple(v) if a not in axes) or None for k, v in strategy.activations.items()}
+    return dataclasses.replace(strategy, activations=acts)
+
+
+def _combine(g: jax.Array, spec: jax.sharding.PartitionSpec, data: tuple[str, ...]) -> jax.Array:
+    """One data shard's gradient -> the sum over all data shards, in the layout `spec` asks for over the
+    data axes: all-reduce over the axes the spec does not use, reduce-scatter onto those it does."""
+    scattered = [(d, tuple(a for a in sharding.as_tuple(e) if a in data)) for d, e in enumerate(spec)]
+    scattered = [(d, axes) for d, axes in scattered if axes]
+    rest = tuple(a for a in data if all(a not in axes for _, axes in scattered))
+    if rest:
+        g = jax.lax.psum(g, rest)
+    for d, axes in scattered:
+        g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True)
+    return g
+
+
+def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1) -> Callable:
+    """ZeRO stages 0–2: `f(params, batch) -> (loss sum, token count, summed gradients)`, each data shard
+    working on its own rows with the whole (replicated) weights, one collective per gradient."""
+    mesh = placement.mesh
+    data = placement.strategy.data_axes(mesh)
+    local = dataclasses.replace(placement, strategy=_drop_axes(placement.strategy, data),
+                                groups=tuple(dataclasses.replace(g, strategy=_drop_axes(g.strategy, data))
+                                             for g in placement.groups))
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(local, p, b), has_aux=True)
+    grad_specs = placement.grad_specs if placement.grad_specs is not None else placement.specs
+    P = jax.sharding.PartitionSpec
+    on_data = lambda spec: P(*(tuple(a for a in sharding.as_tuple(e) if a in data) or None for e in spec))  # noqa: E731
+
+    def body(params, batch):
+        if grad_accum == 1:
+            (nll, count), grads = grad_fn(params, batch)
+        else:
+            nll, count, grads = _accumulate(grad_fn, params, {k: micro_batches(v, grad_accum) for k, v in batch.items()})
+        nll, count = jax.lax.psum((nll, count), data)
+        grads = jax.tree.map(lambda g, spec: _combine(g, spec, data), grads, grad_specs,
+                             is_leaf=lambda x: isinstance(x, P))
+        return nll, count, grads
+
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    return jax.shard_map(
+        body, mesh=mesh, axis_names=set(data), check_vma=False,
+        in_specs=(jax.tree.map(lambda _: P(), grad_specs, is_leaf=is_spec), P(data)),
+        out_specs=(P(), P(), jax.tree.map(on_data, grad_specs, is_leaf=is_spec)),
+    )
+
+
 def make_train_step(
     placement: Placement,
     optimizer: optax.GradientTransformation,
@@ -53,24 +120,7 @@ def make_train_step(
 
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
     (`meshlm.models.pipelined`); the update is the same."""
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(placement, p, b), has_aux=True)
-
-    def mean_loss_grads(params, batch):
-        """(sum of token losses, token count, gradients of the mean loss)."""
-        if pipeline is not None:
-            (nll, count), grads = pipelined_loss_and_grads(placement, pipeline, params, batch)
-            return nll, count, grads
-        if grad_accum == 1:
-            (nll, count), grads = grad_fn(params, batch)
-        else:
-            def accumulate(carry, micro):
-                (nll, count), grads = grad_fn(params, micro)
-                return jax.tree.map(jnp.add, carry, (nll, count, grads)), None
-
-            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (nll, count, grads), _ = jax.lax.scan(accumulate, zeros, _micro_batches(batch, grad_accum, placement))
-        count = jnp.maximum(count, 1.0)
-        return nll, count, jax.tree.map(lambda g: g / count, grads)
+    mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline)
 
     def step(state: TrainState, batch: dict):
         nll, count, grads = mean_loss_grads(state.params, batch)
@@ -89,6 +139,33 @@ def make_train_step(
         out_shardings=(shardings, sharding.replicated(placement.mesh)),
         donate_argnums=0,
     )
+
+
+def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None) -> Callable:
+    """`f(params, batch) -> (sum of token losses, token count, gradients of the mean loss)`, the
+    gradients in the placement's gradient layout. Traceable (the train step's first half)."""
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(placement, p, b), has_aux=True)
+    stage = placement.strategy.zero_stage
+    explicit = stage is not None and stage < 3 and placement.strategy.data_axes(placement.mesh)
+    if explicit and pipeline is not None:
+        raise UsageError(f"--zero_stage={stage} with --pp: the pipeline keeps XLA's collectives; use --zero_stage=3 or none")
+    local_grads = data_parallel_loss_grads(placement, grad_accum) if explicit else None
+
+    def mean_loss_grads(params, batch):
+        if pipeline is not None:
+            (nll, count), grads = pipelined_loss_and_grads(placement, pipeline, params, batch)
+            return nll, count, jax.lax.with_sharding_constraint(grads, placement.grad_shardings)
+        if local_grads is not None:
+            nll, count, grads = local_grads(params, batch)
+        elif grad_accum == 1:
+            (nll, count), grads = grad_fn(params, batch)
+        else:
+            nll, count, grads = _accumulate(grad_fn, params, _micro_batches(batch, grad_accum, placement))
+        count = jnp.maximum(count, 1.0)
+        grads = jax.lax.with_sharding_constraint(grads, placement.grad_shardings)
+        return nll, count, jax.tree.map(lambda g: g / count, grads)
+
+    return mean_loss_grads
 
 
 def sequence_permutation(placement: Placement, seq_len: int) -> np.ndarray | None:
@@ -111,3 +188,23 @@ def put_batch(placement: Placement, local_batch: dict, perm: np.ndarray | None =
             x = x[:, perm]
         out[key] = jax.make_array_from_process_local_data(target, x)
     return out
+
+
+def abstract_batch(placement: Placement, batch_size: int, seq_len: int) -> dict:
+    """ShapeDtypeStructs of one global batch, laid out on the mesh: for ahead-of-time compiles."""
+    rows = sharding.batch_sharding(placement.mesh, placement.strategy)
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
+            for k in BATCH_KEYS}
+
+
+def compile_step(placement: Placement, optimizer: optax.GradientTransformation, batch_size: int, seq_len: int,
+                 grad_accum: int = 1, schedule: optax.Schedule | None = None):
+    """(compiled train step, compiled gradient function, abstract batch), nothing allocated. The compiled
+    step can be called like the jitted one; the gradient function's outputs are the step's gradients."""
+    from meshlm.train.state import abstract_state
+
+    state, batch = abstract_state(placement, optimizer), abstract_batch(placement, batch_size, seq_len)
+    step = make_train_step(placement, optimizer, schedule, grad_accum).lower(state, batch).compile()
+    loss_grads = make_loss_grads(placement, grad_accum)
+    grads = jax.jit(lambda p, b: loss_grads(p, b)[2], out_shardings=placement.grad_shardings)
+    return step, grads.lower(state.params, batch).compile(), batch

@@ -1,0 +1,67 @@
+"""Named strategies: each one logical-axis table, in this one place (`--strategy=NAME`).
+
+A table maps the model's logical axes to the mesh axes (dp, fsdp, tp, sp, and pp outside them),
+once for parameters and once for activations. Mesh axes of size 1 drop out, so every preset runs on
+every mesh; a preset only decides what each mesh axis is *for*:
+
+    preset        weights' embed   heads/kv/mlp/vocab   batch             length
+    default       fsdp, sp         tp                   dp, fsdp          sp (RingAttention)
+    dp            —                —                    dp, fsdp, tp, sp  —
+    fsdp          dp, fsdp, tp, sp —                    dp, fsdp, tp, sp  —
+    fsdp_tp       dp, fsdp, sp     tp                   dp, fsdp, sp      —
+    megatron      —                tp                   dp, fsdp, sp      —
+    megatron_sp   —                tp                   dp, fsdp, sp      tp between tp regions
+    fsdp_sp       fsdp, sp         —                    dp, fsdp          sp (RingAttention)
+
+In every preset the stacked `layers` axis goes over pp (pipeline stages) and `head_dim` stays whole.
+"""
+
+from __future__ import annotations
+
+from meshlm.errors import UsageError
+from meshlm.sharding import DEFAULT, Strategy
+
+ALL = ("dp", "fsdp", "tp", "sp")
+_WHOLE = {"heads": None, "kv_heads": None, "mlp": None, "vocab": None, "head_dim": None, "layers": "pp"}
+_TP = {**_WHOLE, "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"}
+
+
+def _acts(batch, length=None, model=_WHOLE) -> dict:
+    return {**model, "batch": batch, "length": length, "cache_length": length, "embed": None, "layers": None}
+
+
+PRESETS: dict[str, Strategy] = {s.name: s for s in (
+    DEFAULT,
+    Strategy(
+        "dp", params={**_WHOLE, "embed": None}, activations=_acts(ALL),
+        doc="plain data parallelism (ZeRO-0): every device a replica; the batch splits over every mesh axis",
+    ),
+    Strategy(
+        "fsdp", params={**_WHOLE, "embed": ALL}, activations=_acts(ALL),
+        doc="ZeRO-3 over every device: weights' embed and the batch split over every mesh axis",
+    ),
+    Strategy(
+        "fsdp_tp", params={**_TP, "embed": ("dp", "fsdp", "sp")}, activations=_acts(("dp", "fsdp", "sp"), model=_TP),
+        doc="fsdp over dp, fsdp and sp; Megatron tensor parallelism (heads, kv_heads, mlp, vocab) over tp",
+    ),
+    Strategy(
+        "megatron", params={**_TP, "embed": None}, activations=_acts(("dp", "fsdp", "sp"), model=_TP),
+        doc="Megatron tensor parallelism over tp; weights replicated over the data axes dp, fsdp, sp",
+    ),
+    Strategy(
+        "megatron_sp", params={**_TP, "embed": None}, activations=_acts(("dp", "fsdp", "sp"), "tp", model=_TP),
+        shared=frozenset({"length", "cache_length"}),
+        doc="megatron plus sequence parallelism: between the tensor-parallel regions (norms, residual) "
+            "activations split their length over tp; attention and MLP gather it back",
+    ),
+    Strategy(
+        "fsdp_sp", params={**_WHOLE, "embed": ("fsdp", "sp")}, activations=_acts(("dp", "fsdp"), "sp"),
+        doc="fsdp over fsdp and sp, the sequence over sp with RingAttention; no tensor parallelism",
+    ),
+)}
+
+
+def preset(name: str) -> Strategy:
+    if name not in PRESETS:
+        raise UsageError(f"--strategy={name}: unknown preset; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

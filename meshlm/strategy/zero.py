@@ -1,0 +1,64 @@
+"""ZeRO stages (`--zero_stage=0|1|2|3`) over a strategy's data axes: the mesh axes its batch splits over.
+
+    stage   parameters   gradients   optimizer state   per-device bytes (fp32 params, grads, Adam moments)
+    0       replicated   replicated  replicated        4Ψ + 4Ψ + 8Ψ       = 16Ψ
+    1       replicated   replicated  sharded           4Ψ + 4Ψ + 8Ψ/N
+    2       replicated   sharded     sharded           4Ψ + 12Ψ/N
+    3       sharded      sharded     sharded           16Ψ/N
+
+(Ψ parameters, N devices over the data axes. The ZeRO paper's 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N is
+for fp16 parameters and gradients with an fp32 master copy; meshlm keeps fp32 parameters and no copy.)
+
+"Sharded" means the weights' `embed` dimension goes over the data axes (in front of whatever the
+table already put there, e.g. sp); "replicated" means no dimension uses a data axis. Stages 0–2 combine
+the gradients in one explicit collective over the data axes (`meshlm.train.step`): an all-reduce for
+0 and 1, a reduce-scatter for 2. Stage 3 leaves the collectives to XLA (all-gather of each layer's
+weights, reduce-scatter of its gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from meshlm.errors import UsageError
+from meshlm.sharding import MeshAxes, Strategy, as_tuple
+
+STAGES = (0, 1, 2, 3)
+
+
+def _entry(axes: tuple[str, ...]) -> MeshAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _replicate(table: Mapping[str, MeshAxes], data: tuple[str, ...]) -> dict[str, MeshAxes]:
+    return {k: _entry(tuple(a for a in as_tuple(v) if a not in data)) for k, v in table.items()}
+
+
+def _shard(table: Mapping[str, MeshAxes], data: tuple[str, ...]) -> dict[str, MeshAxes]:
+    out = _replicate(table, data)
+    out["embed"] = _entry(data + as_tuple(out.get("embed")))
+    return out
+
+
+def with_zero_stage(strategy: Strategy, stage: int | None) -> Strategy:
+    """The strategy with its parameters, gradients and optimizer state laid out for this ZeRO stage."""
+    if stage is None:
+        return strategy
+    if stage not in STAGES:
+        raise UsageError(f"--zero_stage={stage}: choose 0 (replicate), 1 (shard optimizer state), "
+                         "2 (and gradients) or 3 (and parameters)")
+    data = as_tuple(strategy.activations.get("batch"))
+    base = strategy.params
+    rep, shard = _replicate(base, data), _shard(base, data)
+    return dataclasses.replace(
+        strategy, name=f"{strategy.name}+zero{stage}", zero_stage=stage,
+        params=shard if stage >= 3 else rep, grads=shard if stage >= 2 else rep, opt_state=shard if stage >= 1 else rep,
+    )
+
+
+def formula_bytes(stage: int, n_params: int, n: int, param_bytes: int = 4) -> dict[str, float]:
+    """Per-device params, grads and optimizer-state bytes of a stage (Adam: two moments per parameter)."""
+    p, g, o = param_bytes * n_params, param_bytes * n_params, 2 * param_bytes * n_params
+    return {"params": p / n if stage >= 3 else p, "grads": g / n if stage >= 2 else g,
+            "opt_state": o / n if stage >= 1 else o}
