@@ -120,13 +120,19 @@ def _serve(argv: list[str]) -> int:
     return serve(argv)
 
 
+def _explain(argv: list[str]) -> int:
+    from meshlm.explain.cli import run
+
+    return run(argv)
+
+
 def _plan(argv: list[str]) -> int:
     from meshlm.plan.cli import run
 
     return run(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "serve": _serve, "convert": _convert,
+COMMANDS = {"train": _train, "explain": _explain, "plan": _plan, "generate": _generate, "serve": _serve, "convert": _convert,
             "export": _export}
 
 

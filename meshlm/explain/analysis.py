@@ -1,0 +1,254 @@
+"""What a strategy does to the train step, read from the compiler (`meshlm explain`).
+
+    meshlm explain --devices=8 --mesh_dim=2,1,4,1 --strategy=fsdp_tp --zero_stage=2 --tensor=layers/mlp/gate --png=out.png
+
+Takes every `meshlm train` flag (swap the verb to explain a training command) and prints:
+  1. every parameter: path, shape, PartitionSpec (and its gradient's and optimizer state's when they
+     differ), bytes per device, and the table or rule that produced it;
+  2. per-device memory of parameters, gradients and optimizer state, compiled, beside the ZeRO formula;
+  3. every collective XLA put in the compiled train step: kind, mesh axes, bytes, where it comes from;
+  4. with per-layer-range strategies, what each boundary costs: the residual stream's resharding;
+  5. how one tensor (`--tensor`) lies across the devices, as text and optionally as a PNG.
+Nothing is trained; the step is compiled with abstract inputs, nothing allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshlm.errors import UsageError
+from meshlm.models.placement import Placement
+from meshlm.plan import hlo
+from meshlm.strategy.rules import flatten
+from meshlm.strategy.zero import formula_bytes
+
+# ------------------------------------------------------------------------------------ parameters
+
+
+def _local_bytes(shape, dtype, spec: P, mesh) -> int:
+    return math.prod(NamedSharding(mesh, spec).shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+
+
+def param_rows(placement: Placement) -> list[dict]:
+    """One row per parameter: path, shape, specs, bytes per device (of the parameter) and its source."""
+    shapes = flatten(placement.shapes)
+    specs = flatten(placement.specs)
+    grads = flatten(placement.grad_specs if placement.grad_specs is not None else placement.specs)
+    opts = flatten(placement.opt_specs if placement.opt_specs is not None else placement.specs)
+    sources = placement.sources or {}
+    return [dict(path=p, shape=tuple(s.shape), dtype=str(s.dtype), spec=specs[p], grad_spec=grads[p],
+                 opt_spec=opts[p], bytes=_local_bytes(s.shape, s.dtype, specs[p], placement.mesh),
+                 source=sources.get(p, "")) for p, s in shapes.items()]
+
+
+# -------------------------------------------------------------------------------- memory (compiled)
+
+
+def n_params(placement: Placement) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(placement.shapes))
+
+
+def data_size(placement: Placement) -> int:
+    return math.prod(placement.mesh.shape[a] for a in placement.strategy.data_axes(placement.mesh))
+
+
+def state_memory(placement: Placement, compiled_step, compiled_grads, batch: dict) -> dict:
+    """Per-device bytes: parameters + optimizer state (the compiled step's arguments less the batch),
+    gradients (the compiled gradient function's outputs), and the ZeRO formula for the same stage."""
+    batch_bytes = sum(_local_bytes(b.shape, b.dtype, b.sharding.spec, placement.mesh) for b in batch.values())
+    state = compiled_step.memory_analysis().argument_size_in_bytes - batch_bytes
+    grads = compiled_grads.memory_analysis().output_size_in_bytes
+    out = {"params+opt_state": int(state), "grads": int(grads), "total": int(state + grads),
+           "n_params": n_params(placement), "data_devices": data_size(placement)}
+    stage = placement.strategy.zero_stage
+    if stage is not None:
+        itemsize = np.dtype(jax.tree.leaves(placement.shapes)[0].dtype).itemsize
+        f = formula_bytes(stage, out["n_params"], out["data_devices"], itemsize)
+        out["formula"] = {**f, "total": sum(f.values())}
+    return out
+
+
+# ------------------------------------------------------------------------------------- collectives
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    kind: str
+    axes: tuple[str, ...]  # mesh axes the devices of one group differ in
+    payload_bytes: int  # per execution (see meshlm.plan.hlo)
+    count: int  # executions per step
+    where: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_bytes * self.count
+
+
+def _first_group(rest: str, n: int) -> list[int] | None:
+    """Device ids of the first replica group (or source-target pair), from any spelling XLA prints."""
+    if m := re.search(r"replica_groups=\{\{([^}]*)\}", rest):
+        return [int(x) for x in m.group(1).split(",") if x.strip()]
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest):
+        ids = np.arange(n).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest):
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        keep = set(re.findall(r"'([^']+)'", m.group(2)))
+        ids = np.arange(n).reshape([int(s) for _, s in names])
+        return ids[tuple(slice(None) if name in keep else 0 for name, _ in names)].ravel().tolist()
+    if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", rest):
+        return [int(m.group(1)), int(m.group(2))]
+    return None
+
+
+def _axes_of(ids: list[int] | None, mesh) -> tuple[str, ...]:
+    if not ids:
+        return ()
+    coords = np.array([np.unravel_index(i, mesh.devices.shape) for i in ids])
+    return tuple(name for k, name in enumerate(mesh.axis_names) if len(set(coords[:, k])) > 1)
+
+
+def collectives(text: str, placement: Placement) -> list[CollectiveRow]:
+    """Every collective of a compiled program over more than one device, with its mesh axes and origin:
+    the op name from the HLO metadata, or else the parameter whose shape the collective moves."""
+    mesh, n = placement.mesh, placement.mesh.devices.size
+    by_shape: dict[tuple, list[str]] = {}
+    for path, s in flatten(placement.shapes).items():
+        by_shape.setdefault(tuple(s.shape), []).append(path)
+    comps, entry = hlo._computations(text)
+    mult = hlo._multipliers(comps, entry)
+    rows = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = hlo._INSTR.match(line)
+            if not m or mult.get(name, 0) == 0 or m.group(3).endswith("-done"):
+                continue
+            kind = m.group(3).removesuffix("-start")
+            if kind not in hlo.KINDS:
+                continue
+            one = hlo.parse_collectives(f"ENTRY %e () -> f32[] {{\n{line}\n}}")
+            if not one or one[0].group_size <= 1:
+                continue
+            result_shapes = [tuple(int(d) for d in dims.split(",") if d) for _, dims in hlo._ARRAY.findall(m.group(2))]
+            params = sorted({p for s in result_shapes for p in by_shape.get(s, [])})
+            op = one[0].op_name.removeprefix("jit(step)/")
+            where = op or ("parameter " + " | ".join(params) if params else "")
+            rows.append(CollectiveRow(kind, _axes_of(_first_group(m.group(4), n), mesh), one[0].payload_bytes,
+                                      mult[name], where))
+    return rows
+
+
+# --------------------------------------------------------------------------------------- boundaries
+
+
+def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict]:
+    """For each boundary between layer groups: the residual stream [B, T, E]'s layout on both sides and
+    the collectives of moving it, forward (into the next group) and backward (its gradient, back)."""
+    from meshlm import sharding
+
+    out = []
+    shape = (batch_size, seq_len, placement.cfg.d_model)
+    x = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(placement.cfg.dtype))
+    logical = ("batch", "length", "embed")
+    for a, b in zip(placement.groups, placement.groups[1:]):
+        specs = [sharding.logical_to_spec(logical, g.strategy.activations, placement.mesh, g.strategy.shared) for g in (a, b)]
+        moves = {}
+        for direction, (src, dst) in (("forward", specs), ("backward", specs[::-1])):
+            move = jax.jit(lambda v: v, in_shardings=NamedSharding(placement.mesh, src),
+                           out_shardings=NamedSharding(placement.mesh, dst))
+            moves[direction] = collectives(move.lower(x).compile().as_text(), placement)
+        out.append(dict(before=f"layers {a.key} ({a.strategy.name})", after=f"layers {b.key} ({b.strategy.name})",
+                        shape=shape, spec_before=specs[0], spec_after=specs[1], **moves))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ picture
+
+
+def _tensor(placement: Placement, path: str) -> tuple[tuple[int, ...], P]:
+    shapes, specs = flatten(placement.shapes), flatten(placement.specs)
+    if path not in shapes:
+        raise UsageError(f"--tensor={path}: no such parameter; choose one of {', '.join(list(shapes)[:6])}, ... "
+                         "(the paths `meshlm explain` lists)")
+    return tuple(shapes[path].shape), specs[path]
+
+
+def layout(placement: Placement, path: str) -> dict:
+    """The tensor as a 2-D grid of blocks: the two dimensions shown (the sharded ones first), each block's
+    index ranges and the devices holding it."""
+    shape, spec = _tensor(placement, path)
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    sharded = [d for d, e in enumerate(entries) if e is not None]
+    # The sharded dimensions, then the last ones (a stacked layers axis in front is the least telling).
+    dims = sorted((sharded + [d for d in reversed(range(len(shape))) if d not in sharded])[:2]) if len(shape) >= 2 else [0]
+    index_map = NamedSharding(placement.mesh, spec).devices_indices_map(shape)
+    blocks: dict[tuple, list[int]] = {}
+    for device, index in index_map.items():
+        key = tuple(index[d].indices(shape[d])[:2] for d in dims)
+        blocks.setdefault(key, []).append(device.id)
+    rows = sorted({k[0] for k in blocks})
+    cols = sorted({k[-1] for k in blocks}) if len(dims) == 2 else [None]
+    return dict(path=path, shape=shape, spec=spec, dims=dims, rows=rows, cols=cols, blocks=blocks)
+
+
+def picture(placement: Placement, path: str, cell: int = 14) -> str:
+    """Text picture in the style of `jax.debug.visualize_array_sharding`: one box per block, naming the
+    devices that hold it (several when it is replicated)."""
+    g = layout(placement, path)
+    label = lambda ids: ("dev " if len(ids) == 1 else "devs ") + ",".join(map(str, sorted(ids)))  # noqa: E731
+    width = max([cell] + [len(label(v)) + 2 for v in g["blocks"].values()])
+    bar = "+" + "+".join("-" * width for _ in g["cols"]) + "+"
+    lines = [f"{path} {g['shape']} {g['spec']}: rows = dim {g['dims'][0]}"
+             + (f", columns = dim {g['dims'][1]}" if len(g["dims"]) == 2 else ""), bar]
+    for r in g["rows"]:
+        cells = []
+        for c in g["cols"]:
+            ids = g["blocks"].get((r, c) if c is not None else (r,), [])
+            cells.append(label(ids).center(width))
+        rng = f" {r[0]}:{r[1]}"
+        lines += ["|" + "|".join(cells) + "|" + rng, bar]
+    if g["cols"] != [None]:
+        lines.append(" " + " ".join(f"{c[0]}:{c[1]}".center(width) for c in g["cols"]))
+    return "\n".join(lines)
+
+
+def write_png(placement: Placement, path: str, out: str | Path) -> Path:
+    """The same picture as a PNG: one rectangle per block, coloured by the devices that hold it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    g = layout(placement, path)
+    fig = Figure(figsize=(7, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colours = {}
+    cmap = __import__("matplotlib").colormaps["tab20"]
+    for key, ids in g["blocks"].items():
+        r = key[0]
+        c = key[1] if len(key) == 2 else (0, 1)
+        colour = colours.setdefault(tuple(sorted(ids)), cmap(len(colours) % 20))
+        ax.add_patch(Rectangle((c[0], r[0]), c[1] - c[0], r[1] - r[0], facecolor=colour, edgecolor="black"))
+        ax.text((c[0] + c[1]) / 2, (r[0] + r[1]) / 2, ",".join(map(str, sorted(ids))), ha="center", va="center",
+                fontsize=8)
+    height = g["shape"][g["dims"][0]]
+    width = g["shape"][g["dims"][1]] if len(g["dims"]) == 2 else 1
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)
+    ax.set_xlabel(f"dim {g['dims'][1]}" if len(g["dims"]) == 2 else "")
+    ax.set_ylabel(f"dim {g['dims'][0]}")
+    ax.set_title(f"{path} {g['shape']} {g['spec']}: devices holding each block")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
