@@ -99,7 +99,8 @@ class Attention(nnx.Module):
             out = attend(q, k, v, positions, segment_ids)
         else:
             k, v = cache.write(k, v, positions)
-            out = attend_cache(q, k, v, positions, cache.kv_positions)
+            rows, length = cache.kv_positions.shape
+            out = attend_cache(q, k[:rows, :length], v[:rows, :length], positions, cache.kv_positions)
         out = checkpoint_name(sharding.constrain(out, ("batch", "length", "heads", "head_dim")), "attn_out")
         return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), (k, v)
 
@@ -108,7 +109,8 @@ class LayerCache(NamedTuple):
     """One layer's KV cache while decoding: slot s of row b holds the token at position s.
 
     k, v          [B, S, K, D]  laid out as (batch, cache_length, kv_heads, head_dim)
-    kv_positions  [B, S] int32  s where slot s is filled (s <= the row's newest position), else -1
+    kv_positions  [b, L] int32  s where slot s is filled (s <= the row's newest position), else -1;
+                                the step runs the cache's first b rows and attends their first L slots
     """
 
     k: jax.Array
@@ -116,7 +118,8 @@ class LayerCache(NamedTuple):
     kv_positions: jax.Array
 
     def write(self, k_new, v_new, positions):
-        """Store the new tokens' keys and values [B, T, K, D] at their positions [B, T] (in place when donated)."""
+        """Store the new tokens' keys and values [b, T, K, D] of the first b rows at their positions [b, T]
+        (in place when donated)."""
         rows = jnp.arange(k_new.shape[0])[:, None]
         slots = jnp.minimum(positions, self.k.shape[1] - 1)
         axes = ("batch", "cache_length", "kv_heads", "head_dim")
@@ -242,14 +245,16 @@ class Llama(nnx.Module):
         logits = self._head(x)
         return (logits, kv) if return_kv else logits
 
-    def decode(self, tokens, positions, cache_k, cache_v, layers=None):
-        """One step with a KV cache: tokens and positions [B, T] (usually T = 1), caches are tuples of L
-        arrays [B, S, K, D]. Returns (logits [B, T, V], new cache_k, new cache_v).
+    def decode(self, tokens, positions, cache_k, cache_v, layers=None, length: int | None = None):
+        """One step with a KV cache: tokens and positions [b, T] (usually T = 1) for the cache's first b
+        rows, caches are tuples of L arrays [B, S, K, D]. Returns (logits [b, T, V], new cache_k, new
+        cache_v). Attention reads only the first `length` slots of each row (all when None): every
+        position written so far must lie below it.
 
         The layers run unrolled so that each layer's cache is its own buffer, updated in place.
         `layers` (see `blocks`) gives each layer's weights as their own buffers too."""
         x, positions = self._embed(tokens, positions)
-        S = cache_k[0].shape[1]
+        S = cache_k[0].shape[1] if length is None else length
         slots = jnp.arange(S, dtype=jnp.int32)
         newest = jnp.max(positions, axis=1, keepdims=True)
         kv_positions = jnp.where(slots[None, :] <= newest, slots[None, :], -1)

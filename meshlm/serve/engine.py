@@ -14,13 +14,15 @@ settings). A loop on its own thread repeats:
   1. admit: waiting requests take free slots. Their prompts, right-padded to the smallest length
      bucket that holds them, run through the model in one prefill (RingAttention when sp > 1),
      which writes their keys and values into their cache rows and samples each first token.
-  2. decode: one jitted, donated step advances every slot by one token.
+  2. decode: one jitted, donated step advances the busy slots by one token. It runs the smallest
+     compiled number of rows that holds them and attends only the cache prefix their tokens fill
+     (`decode_buckets`).
   3. deliver: the previous step's tokens come to the host (the next step is already queued on the
      device, so the host's work overlaps the device's), become text, and finished requests free
      their slots for step 1.
 
-Compiled shapes: one decode step and one prefill per bucket, all compiled by `start()`, so traffic
-never compiles (`compiled_shapes()` lets tests check).
+Compiled shapes: a prefill per prompt-length bucket and a decode step per (rows, cache prefix)
+bucket, all compiled by `start()`, so traffic never compiles (`compiled_shapes()` lets tests check).
 """
 
 from __future__ import annotations
@@ -168,6 +170,23 @@ def length_buckets(max_seq_len: int, smallest: int = 32) -> tuple[int, ...]:
     return tuple(out) + (max_seq_len,)
 
 
+def decode_buckets(max_batch: int, data: int, max_seq_len: int, sp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The decode step's compiled shapes: (rows, cache slots attended). A step runs only the first
+    rows that hold busy slots (slots are taken lowest first) and reads only the cache prefix that
+    holds their tokens, so a lone request or a short context costs what it needs, not the work of
+    the whole cache. Rows: max_batch, /4, /16, ... while a multiple of dp×fsdp; slots: 128, 512, ...
+    (×4) below max_seq_len, then max_seq_len; the whole length when it is split over sp."""
+    rows, n = [max_batch], max_batch
+    while n % 4 == 0 and (n // 4) % data == 0:
+        n //= 4
+        rows.append(n)
+    lengths, n = [], 128
+    while sp == 1 and n < max_seq_len:
+        lengths.append(n)
+        n *= 4
+    return tuple(sorted(rows)), tuple(lengths) + (max_seq_len,)
+
+
 def split_layers(params: dict, shardings: dict) -> tuple[dict, tuple[dict, ...]]:
     """(every weight but the stacked `layers`, one tree per layer): each layer's weights become their
     own buffers, so a decode step's matmuls read them in place (a slice of the stacked array is a
@@ -231,10 +250,12 @@ class Engine:
         rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), in_shardings=(params_sh, state_sh, rep, rep, rep, rep),
                                 out_shardings=(state_sh, rep))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), in_shardings=(params_sh, state_sh),
-                               out_shardings=(state_sh, rep))
+        self._decode = jax.jit(self._decode_fn, static_argnums=(2, 3), donate_argnums=(1,),
+                               in_shardings=(params_sh, state_sh), out_shardings=(state_sh, rep))
+        self.decode_rows, self.decode_lengths = decode_buckets(max_batch, data, self.max_seq_len, sp)
 
         self._slots: list[RequestHandle | None] = [None] * max_batch
+        self._next_position = [0] * max_batch  # of each slot's next decode step, as dispatched
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._wake = threading.Condition()
         self._ids = itertools.count(1)
@@ -286,22 +307,32 @@ class Engine:
         strategy = self.model.placement.strategy
         return sharding.activate(self.mesh, sharding.for_decoding(strategy) if decoding else strategy)
 
-    def _decode_fn(self, params, state: DecodeState):
-        """Every slot advances one token."""
+    def _decode_fn(self, params, state: DecodeState, rows: int, length: int):
+        """The first `rows` slots advance one token, attending the first `length` slots of the cache
+        (the rest of the state stays as it is). The tokens [rows] are returned."""
         with self._activate(decoding=True):
             logits, cache_k, cache_v = self._merge(params).decode(
-                state.tokens[:, None], state.positions[:, None], state.cache_k, state.cache_v, layers=params[1]
+                state.tokens[:rows, None], state.positions[:rows, None], state.cache_k, state.cache_v,
+                layers=params[1], length=length,
             )
-        nxt = sample(logits[:, 0], state.sampling, state.counts)
+        nxt = sample(logits[:, 0], SlotSampling(*(a[:rows] for a in state.sampling)), state.counts[:rows])
         last = self.max_seq_len - 1  # idle slots run on harmlessly; keep their writes inside the cache
-        new = DecodeState(cache_k, cache_v, nxt, jnp.minimum(state.positions + 1, last), state.counts + 1,
-                          state.sampling)
+        new = DecodeState(cache_k, cache_v, state.tokens.at[:rows].set(nxt),
+                          state.positions.at[:rows].set(jnp.minimum(state.positions[:rows] + 1, last)),
+                          state.counts.at[:rows].add(1), state.sampling)
         return new, nxt
+
+    def _decode_shape(self) -> tuple[int, int]:
+        """The smallest compiled (rows, length) that holds every busy slot and the positions it writes."""
+        busy = [i for i, h in enumerate(self._slots) if h is not None]
+        rows = next(r for r in self.decode_rows if r > busy[-1])
+        reach = max(self._next_position[i] for i in busy) + 1
+        return rows, next((n for n in self.decode_lengths if n >= reach), self.decode_lengths[-1])
 
     # --------------------------------------------------------------------------- public API
 
     def compiled_shapes(self) -> int:
-        """How many shapes are compiled (prefill buckets + decode): constant after `start()`."""
+        """How many shapes are compiled (prefill buckets + decode buckets): constant after `start()`."""
         return self._prefill._cache_size() + self._decode._cache_size()
 
     def check(self, request: GenerationRequest) -> None:
@@ -359,10 +390,13 @@ class Engine:
         for P in self.buckets:
             self._state, first = self._prefill(self._params, self._state, np.zeros((Bp, P), np.int32),
                                                np.ones(Bp, np.int32), none, SlotSampling.empty(Bp))
-        self._state, nxt = self._decode(self._params, self._state)
+        for rows in self.decode_rows:
+            for length in self.decode_lengths:
+                self._state, nxt = self._decode(self._params, self._state, rows, length)
         jax.block_until_ready((first, nxt))
         seconds = time.perf_counter() - t0
-        log.info("compiled %d prefill buckets %s and the decode step in %.1f s", len(self.buckets), self.buckets, seconds)
+        log.info("compiled %d prefill buckets %s and decode steps for %s rows × %s cache slots in %.1f s",
+                 len(self.buckets), self.buckets, self.decode_rows, self.decode_lengths, seconds)
         return seconds
 
     @classmethod
@@ -396,8 +430,11 @@ class Engine:
             try:
                 self._admit()
                 if any(h is not None for h in self._slots):
-                    self._state, tokens = self._decode(self._params, self._state)
+                    self._state, tokens = self._decode(self._params, self._state, *self._decode_shape())
                     self.stats["decode_steps"] += 1
+                    for i, h in enumerate(self._slots):
+                        if h is not None:
+                            self._next_position[i] += 1
                     dispatched = (tokens, list(self._slots))
                 else:
                     dispatched = None
@@ -447,6 +484,7 @@ class Engine:
         for row, (h, slot) in enumerate(zip(group, slots)):
             h.first_token_at = now
             self._slots[slot] = h
+            self._next_position[slot] = h.prompt_tokens
             self._append(h, int(first[row]))
             if h.done:
                 self._slots[slot] = None
@@ -495,4 +533,4 @@ class Engine:
         self.stats[f"finished_{reason}"] += 1
 
 
-__all__ = ["Engine", "GenerationRequest", "Event", "RequestHandle", "DecodeState", "length_buckets"]
+__all__ = ["Engine", "GenerationRequest", "Event", "RequestHandle", "DecodeState", "length_buckets", "decode_buckets"]
