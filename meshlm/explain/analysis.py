@@ -143,8 +143,10 @@ def collectives(text: str, placement: Placement) -> list[CollectiveRow]:
             params = sorted({p for s in result_shapes for p in by_shape.get(s, [])})
             op = one[0].op_name.removeprefix("jit(step)/")
             where = op or ("parameter " + " | ".join(params) if params else "")
-            rows.append(CollectiveRow(kind, _axes_of(_first_group(m.group(4), n), mesh), one[0].payload_bytes,
-                                      mult[name], where))
+            payload = one[0].payload_bytes
+            if kind == "reduce-scatter" and not hlo._array_bytes(m.group(4).split(")", 1)[0]):
+                payload *= one[0].group_size  # operands printed without shapes: the input is group × result
+            rows.append(CollectiveRow(kind, _axes_of(_first_group(m.group(4), n), mesh), payload, mult[name], where))
     return rows
 
 

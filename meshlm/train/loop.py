@@ -228,6 +228,12 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         raise UsageError(f"--seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; "
                          "raise --model.max_seq_len or shorten --seq_len")
 
+    # The strategy and every parameter's layout are checked before any data is read.
+    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers, pipeline is not None)
+    if init_source is not None and rules and rules.layers:
+        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
+    mesh = meshlib.build_mesh(shape, dcn=dcn)
+    placement = place(model_cfg, mesh, strategy, rules)
     tokenizer = data.load_tokenizer(tokenizer_spec, cfg.dataset, model_cfg.vocab_size)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UsageError(
@@ -239,11 +245,6 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
     )
 
-    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers, pipeline is not None)
-    if init_source is not None and rules and rules.layers:
-        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
-    mesh = meshlib.build_mesh(shape, dcn=dcn)
-    placement = place(model_cfg, mesh, strategy, rules)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, cfg.steps // 10)
     opt_cfg = OptimizerConfig(
         lr=cfg.lr, warmup_steps=warmup, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio,
