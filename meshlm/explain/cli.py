@@ -113,11 +113,12 @@ def print_report(r: dict, file=sys.stdout) -> None:
     line = (f"memory per device (compiled): params + optimizer state {_mib(m['params+opt_state'])}, "
             f"gradients {_mib(m['grads'])}, total {_mib(m['total'])}; Ψ = {m['n_params']:,} parameters, "
             f"N = {m['data_devices']} data devices")
+    console.print(line)
     if "formula" in m:
         f = m["formula"]
-        line += (f"; ZeRO formula {_mib(f['total'])} (params {_mib(f['params'])} + grads {_mib(f['grads'])} + "
-                 f"optimizer {_mib(f['opt_state'])}), compiled/formula = {m['total'] / f['total']:.4f}")
-    console.print(line)
+        console.print(f"ZeRO stage {r['strategy'].rsplit('zero', 1)[-1]} formula: {_mib(f['total'])} (params "
+                      f"{_mib(f['params'])} + grads {_mib(f['grads'])} + optimizer state {_mib(f['opt_state'])}); "
+                      f"compiled / formula = {m['total'] / f['total']:.4f}")
     t = Table(title="collectives in the compiled train step (per device, per step)", title_justify="left")
     for col in ("kind", "mesh axes", "bytes each", "times", "total", "where"):
         t.add_column(col)

@@ -5,7 +5,7 @@
 
     [[rules]]                 # ordered regex on parameter paths -> PartitionSpec; first match wins
     pattern = "mlp/(gate|up)"
-    spec = [null, "fsdp", "tp"]
+    spec = ["", "fsdp", "tp"]
 
     [[layers]]                # a preset for a range of layers (inclusive); other layers keep --strategy
     range = [0, 15]
@@ -13,7 +13,8 @@
 
 Parameter paths are the keys of the parameter tree joined by `/`: `embed`, `layers/mlp/gate`, and with
 `[[layers]]` groups `layers/0-15/mlp/gate`. Patterns are searched (`re.search`) in the path. A spec
-has one entry per dimension of the stored array (`null`, an axis, or a list of axes); for stacked layer
+has one entry per dimension of the stored array (`""` or `[]` for a whole dimension, TOML having no
+null; a mesh axis; or a list of them); for stacked layer
 parameters it may leave out the leading layers dimension, which then follows the table (pp). A rule
 sets the parameter's gradient and optimizer-state layout too. Mesh axes of size 1 drop out.
 
@@ -160,7 +161,7 @@ def load(path: str | Path) -> Rules:
     for i, r in enumerate(data.get("rules", []), 1):
         label = f"{where} rule #{i}"
         if not isinstance(r, dict) or set(r) != {"pattern", "spec"} or not isinstance(r["spec"], list):
-            raise UsageError(f"{label}: give exactly pattern = \"REGEX\" and spec = [..] (one entry per dimension)")
+            raise UsageError(f"{label}: give exactly pattern = \"REGEX\" and spec = [..] (one entry per dimension, \"\" for a whole one)")
         try:
             re.compile(r["pattern"])
         except re.error as e:

@@ -198,13 +198,15 @@ def abstract_batch(placement: Placement, batch_size: int, seq_len: int) -> dict:
 
 
 def compile_step(placement: Placement, optimizer: optax.GradientTransformation, batch_size: int, seq_len: int,
-                 grad_accum: int = 1, schedule: optax.Schedule | None = None):
-    """(compiled train step, compiled gradient function, abstract batch), nothing allocated. The compiled
-    step can be called like the jitted one; the gradient function's outputs are the step's gradients."""
+                 grad_accum: int = 1, schedule: optax.Schedule | None = None, with_grads: bool = True):
+    """(compiled train step, compiled gradient function or None, abstract batch), nothing allocated. The
+    compiled step can be called like the jitted one; the gradient function's outputs are the step's gradients."""
     from meshlm.train.state import abstract_state
 
     state, batch = abstract_state(placement, optimizer), abstract_batch(placement, batch_size, seq_len)
     step = make_train_step(placement, optimizer, schedule, grad_accum).lower(state, batch).compile()
+    if not with_grads:
+        return step, None, batch
     loss_grads = make_loss_grads(placement, grad_accum)
     grads = jax.jit(lambda p, b: loss_grads(p, b)[2], out_shardings=placement.grad_shardings)
     return step, grads.lower(state.params, batch).compile(), batch

@@ -4,7 +4,6 @@ Every other run is compared with the reference's losses (fp32, rtol 1e-5). Compi
 part on 2 cores: each configuration is compiled once (ahead of time) and that one executable both runs
 the steps and is read for its memory and HLO."""
 
-import jax
 import pytest
 
 from meshlm.models.placement import place
@@ -15,10 +14,10 @@ from meshlm.train.step import compile_step, put_batch, sequence_permutation
 from tests.train.test_train_step import B, CFG, OPT, T, make_batches, mesh_for
 
 
-def train(placement, steps=None):
-    """(losses of 3 steps, compiled step, compiled gradient function, abstract batch)."""
+def train(placement, with_grads=False):
+    """Losses of 3 steps, the compiled step (and gradient function), the abstract batch, the final state."""
     optimizer = make_optimizer(OPT)
-    step, grads, batch = compile_step(placement, optimizer, B, T, schedule=lr_schedule(OPT))
+    step, grads, batch = compile_step(placement, optimizer, B, T, schedule=lr_schedule(OPT), with_grads=with_grads)
     state = create_train_state(placement, optimizer, seed=0)
     perm = sequence_permutation(placement, T)
     losses = []
@@ -28,9 +27,9 @@ def train(placement, steps=None):
     return dict(losses=losses, step=step, grads=grads, batch=batch, placement=placement, state=state)
 
 
-def run(dims: str, strategy: str = "default", zero_stage=None, rules_file=None):
+def run(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False):
     s, rules = choose(strategy, zero_stage, rules_file)
-    return train(place(CFG, mesh_for(dims), s, rules))
+    return train(place(CFG, mesh_for(dims), s, rules), with_grads)
 
 
 @pytest.fixture(scope="session")
@@ -38,4 +37,4 @@ def reference():
     return run("1,1,1,1")["losses"]
 
 
-__all__ = ["run", "train", "B", "T", "CFG", "jax"]
+__all__ = ["run", "train", "B", "T", "CFG"]

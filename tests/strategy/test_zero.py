@@ -14,7 +14,7 @@ MESH = {0: "8,1,1,1", 1: "8,1,1,1", 2: "8,1,1,1", 3: "1,8,1,1"}
 
 @pytest.fixture(scope="module")
 def stages():
-    return {stage: run(dims, zero_stage=stage) for stage, dims in MESH.items()}
+    return {stage: run(dims, zero_stage=stage, with_grads=True) for stage, dims in MESH.items()}
 
 
 @pytest.mark.parametrize("stage", list(MESH))
