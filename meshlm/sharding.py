@@ -1,4 +1,5 @@
-"""Where logical axes live on the mesh. The only module that knows the mesh axis names.
+"""Where logical axes live on the mesh: the mechanism (tables -> PartitionSpecs, activation constraints).
+With `meshlm.strategy` (the named tables and the user's overrides), the only code that knows mesh axis names.
 
 The model names what each dimension *means* (`batch`, `length`, `embed`, `heads`, `kv_heads`,
 `head_dim`, `mlp`, `vocab`, `layers`); a `Strategy` says where each meaning goes on the
@@ -66,9 +67,6 @@ DEFAULT = Strategy(
     activations={"batch": ("dp", "fsdp"), "length": "sp", "cache_length": "sp", "embed": None, **_MODEL_PARALLEL},
     doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
 )
-
-STRATEGIES: dict[str, Strategy] = {DEFAULT.name: DEFAULT}
-
 
 def for_decoding(strategy: Strategy) -> Strategy:
     """The strategy for decode steps: a step's few new tokens stay whole (they cannot split over sp);
@@ -222,8 +220,12 @@ def ring_spec() -> RingSpec | None:
     if len(axes) > 1:
         raise UsageError(f"strategy {active.strategy.name!r} splits length over {axes}; RingAttention needs one mesh axis")
     table = active.strategy.activations
+    # Inside a shard_map that is manual over other axes (ZeRO stages 0-2 over the data axes), the ring's
+    # own shard_map must name the context's mesh, whose types say which axes are already manual.
+    context = jax.sharding.get_abstract_mesh()
+    mesh = context if not context.empty and context.manual_axes else active.mesh
     return RingSpec(
-        mesh=active.mesh,
+        mesh=mesh,
         axis_name=axes[0],
         size=active.mesh.shape[axes[0]],
         qkv_spec=logical_to_spec(("batch", "length", "heads", "head_dim"), table, active.mesh),
@@ -240,7 +242,7 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "Strategy", "DEFAULT", "for_decoding", "STRATEGIES", "LOGICAL_AXES", "logical_to_spec", "param_specs", "named", "replicated",
+    "Strategy", "DEFAULT", "for_decoding", "LOGICAL_AXES", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
     "sequence_parallel_size", "describe_specs",
 ]

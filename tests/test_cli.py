@@ -24,7 +24,7 @@ BAD = [
     (["train", "--devices=8", "--mesh_dim=-1,-1,1,1"], "only one axis may be -1"),
     (["train", "--devices=8", "--mesh_dim=1,0,8,1"], "0 is not a valid axis size"),
     (["train", "--devices=8", "--mesh_dim=1,a,8,1"], "'a' is not an integer"),
-    (["train", "--devices=8", "--mesh_dim=pp:8"], "unknown axis 'pp'"),
+    (["train", "--devices=8", "--mesh_dim=xp:8"], "unknown axis 'xp'"),
     (["train", "--devices=8", "--mesh_dim=1,8,1,1", "--batch_size=1"], "--mesh_dim=1,1,1,8"),
     (["train", "--devices=8", "--mesh_dim=1,1,1,8", "--seq_len=100"], "seq_len 100 is not divisible by 2×sp = 16"),
     (["train", "--devices=8", "--mesh_dim=1,1,8,1", "--model=tiny"], "n_heads = 4 is not divisible by tp = 8"),
@@ -108,3 +108,31 @@ def test_mp_mesh_dim_prints_the_equivalent_mesh_dim(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--mp_mesh_dim=2,1 --fsdp is --mesh_dim=1,4,2,1" in result.stdout
+
+
+def test_explain_takes_every_train_flag(capsys):
+    from meshlm.cli import main
+    from meshlm.train.loop import TrainConfig
+    import dataclasses
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in [f"--{f.name}" for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]:
+        assert flag in out, flag
+    for flag in ("--tensor", "--png", "--json"):
+        assert flag in out, flag
+
+
+@pytest.mark.slow
+def test_train_with_a_preset_and_zero_stage_then_resume(tmp_path):
+    args = ["train", "--devices=8", "--mesh_dim=2,1,4,1", "--strategy=fsdp_tp", "--zero_stage=2", "--model=test",
+            "--dataset=synthetic", "--batch_size=8", "--seq_len=32", "--log_every=1", f"--output_dir={tmp_path}",
+            "--peak_tflops=1"]
+    first = meshlm(*args, "--steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "strategy: fsdp_tp+zero2" in first.stdout
+    second = meshlm(*args, "--steps=3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step      3" in second.stdout

@@ -98,12 +98,17 @@ class Placement:
         with sharding.activate(self.mesh, self.strategy):
             return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids, **kw)
 
+    @cached_property
+    def _layer_def(self):
+        """The graph of the stacked layers alone, to merge with one group's parameters."""
+        return nnx.split(nnx.eval_shape(lambda: _build(self.cfg, 0)).layers, nnx.Param)[0]
+
     def _apply_groups(self, params, tokens, positions, segment_ids):
         """Embedding and head under the main strategy; each layer group scanned under its own. At a
         boundary the residual stream moves from one group's layout to the next one's (XLA reshards it)."""
         first = params["layers"][self.groups[0].key]
         model = nnx.merge(self.graphdef, {**params, "layers": first})  # embed, final_norm, lm_head
-        layer_def, _ = nnx.split(nnx.eval_shape(lambda: _build(self.cfg, 0)).layers, nnx.Param)
+        layer_def = self._layer_def
         with sharding.activate(self.mesh, self.strategy):
             x, positions = model._embed(tokens, positions)
 

@@ -35,9 +35,10 @@ from typing import Any, Callable
 from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import UsageError
+from meshlm.mesh import AXES
 from meshlm.sharding import LOGICAL_AXES, MeshAxes, Strategy, as_tuple, logical_to_spec, spec_divides
 
-MESH_AXES = ("dp", "fsdp", "tp", "sp", "pp")
+MESH_AXES = (*AXES, "pp")
 WHAT = ("params", "grads", "opt_state")
 
 

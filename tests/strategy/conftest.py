@@ -14,10 +14,10 @@ from meshlm.train.step import compile_step, put_batch, sequence_permutation
 from tests.train.test_train_step import B, CFG, OPT, T, make_batches, mesh_for
 
 
-def train(placement, with_grads=False):
+def train(placement, with_grads=False, grad_accum=1):
     """Losses of 3 steps, the compiled step (and gradient function), the abstract batch, the final state."""
     optimizer = make_optimizer(OPT)
-    step, grads, batch = compile_step(placement, optimizer, B, T, schedule=lr_schedule(OPT), with_grads=with_grads)
+    step, grads, batch = compile_step(placement, optimizer, B, T, grad_accum, lr_schedule(OPT), with_grads)
     state = create_train_state(placement, optimizer, seed=0)
     perm = sequence_permutation(placement, T)
     losses = []
@@ -27,9 +27,9 @@ def train(placement, with_grads=False):
     return dict(losses=losses, step=step, grads=grads, batch=batch, placement=placement, state=state)
 
 
-def run(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False):
+def run(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False, grad_accum=1):
     s, rules = choose(strategy, zero_stage, rules_file)
-    return train(place(CFG, mesh_for(dims), s, rules), with_grads)
+    return train(place(CFG, mesh_for(dims), s, rules), with_grads, grad_accum)
 
 
 @pytest.fixture(scope="session")

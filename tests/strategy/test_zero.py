@@ -59,6 +59,16 @@ def test_every_stage_trains_like_one_device(stages, reference, stage):
     np.testing.assert_allclose(stages[stage]["losses"], reference, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dims,accum", [
+    ("2,1,1,4", 1),  # RingAttention over sp inside the shard_map over dp
+    pytest.param("2,2,2,1", 2, marks=pytest.mark.slow),  # tensor parallel inside, gradient accumulation
+])
+def test_stage2_composes_with_model_parallel_axes(reference, dims, accum):
+    r = run(dims, zero_stage=2, grad_accum=accum)
+    np.testing.assert_allclose(r["losses"], reference, rtol=1e-5)
+    assert "reduce-scatter(" in r["step"].as_text()
+
+
 def test_layouts_by_stage(stages):
     gate = lambda r, what: r["placement"].__dict__[what]["layers"]["mlp"]["gate"]  # noqa: E731
     assert str(gate(stages[0], "specs")) == str(gate(stages[0], "opt_specs")) == "P(None, None, None)"
