@@ -18,10 +18,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `meshlm {self.prog.split()[-1]} --help`)")
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls) -> None:
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None) -> None:
+    """A flag per field of `cls` (or only the fields named in `only`), with its help text and default."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
+        if not f.metadata.get("cli", True) or (only is not None and f.name not in only):
             continue
         kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None

@@ -24,8 +24,11 @@ from __future__ import annotations
 import hmac
 import json
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -572,6 +575,24 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: st
     sock = sock or bind(host, port)
     server = make_server(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level)
     try:
-        server.run(sockets=[sock])
+        with _signal_handled_by_server():
+            server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+@contextlib.contextmanager
+def _signal_handled_by_server():
+    """uvicorn shuts down on SIGINT/SIGTERM and, once done, raises the signal again for the handler it
+    found; that must not kill the process (SIGTERM) or interrupt it (SIGINT) before the caller stops
+    the engine (and, across processes, the others): the server's shutdown has already answered it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda *_: None) for s in handled}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,4 +1,11 @@
-"""`meshlm generate` and `meshlm serve`: load a model onto a mesh, then stream text or serve HTTP."""
+"""`meshlm generate` and `meshlm serve`: load a model onto a mesh, then stream text or serve HTTP.
+
+Across several processes (the cluster flags of `meshlm train`, or a cluster's environment) every
+process loads its shards of the weights and compiles the same engine; process 0 takes the prompt or
+the HTTP requests, schedules every step and publishes it, the others run the steps it publishes
+(meshlm/serve/multihost.py). Each process runs under the supervisor and watchdog of
+meshlm/distributed.py, as training does.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,11 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from meshlm.errors import UsageError
+
+CLUSTER_FLAGS = ("coordinator_address", "num_processes", "process_id", "peer_timeout", "connect_timeout")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> None:
@@ -31,19 +41,59 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
                    help="prompt lengths that get a compiled prefill [default: 32, 64, ... up to max_seq_len]")
 
 
-def load(args, console):
-    """Devices, mesh and weights, reporting each step: (LoadedModel, MeshShape)."""
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """`meshlm train`'s flags for several processes: the same names, help, defaults and checks."""
+    from meshlm.cli import _add_dataclass_flags
+    from meshlm.train.loop import TrainConfig
+
+    g = parser.add_argument_group("several processes", "as for `meshlm train` (docs/distributed.md): process 0 "
+                                  "takes the work and schedules every step, the others run the same steps")
+    _add_dataclass_flags(g, TrainConfig, only=CLUSTER_FLAGS)
+
+
+def run_in_cluster(command: str, argv: list[str], args, work: Callable[[bool], int]) -> int:
+    """`work(main)`, here alone or in each of the processes the flags or the cluster's environment name.
+
+    A process of several re-runs `meshlm COMMAND ARGV` as a supervised child (meshlm.distributed),
+    joins the others, and runs `work(main=process 0)`; an error in any of them is one line and ends
+    them all, and a process that dies stops the others within --peer_timeout."""
+    from meshlm import distributed
     from meshlm.train.loop import configure_devices
 
+    cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id, args.peer_timeout)
+    if cluster.multi_process and not distributed.is_worker():
+        return distributed.supervise([command, *argv], cluster)
     configure_devices(args.devices)
+    distributed.initialize(cluster, connect_timeout=args.connect_timeout)
+    if not cluster.multi_process:
+        return work(True)
+    import jax
+
+    try:
+        status = work(jax.process_index() == 0)
+    except UsageError as e:  # the others would wait for this one: leave now, status 2
+        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except Exception as e:  # noqa: BLE001  (usually a collective failing because a peer died)
+        distributed.fail_fast(e)
+    distributed.finish()
+    return status
+
+
+def load(args, console):
+    """Devices, mesh and weights, reporting each step: (LoadedModel, MeshShape)."""
     import jax
 
     from meshlm import mesh as meshlib
     from meshlm.serve.loading import load_model
 
-    n = jax.device_count()
+    n, hosts = jax.device_count(), jax.process_count()
     shape = meshlib.parse_mesh_dim(args.mesh_dim, n)
-    mesh = meshlib.build_mesh(shape)
+    dcn = meshlib.split_over_hosts(shape, hosts) if hosts > 1 else None  # hosts over dp first, as in training
+    mesh = meshlib.build_mesh(shape, dcn=dcn)
+    if dcn is not None:
+        console.print(f"{hosts} processes × {jax.local_device_count()} devices; across hosts --dcn_mesh_dim={dcn} "
+                      f"({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})")
     t0 = time.perf_counter()
     with console.status(f"loading {args.checkpoint} onto --mesh_dim={shape} ({n} {jax.devices()[0].platform})"):
         model = load_model(args.checkpoint, mesh, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer)
@@ -56,8 +106,9 @@ def load(args, console):
     return model, shape
 
 
-def start_engine(model, shape, args, console, max_seq_len=None, buckets=None):
-    """The engine, compiled and started."""
+def build_engine(model, shape, args, console, max_seq_len=None, buckets=None):
+    """The engine, compiled (in every process) but not started: process 0 starts it, the others follow it."""
+    from meshlm.serve import multihost
     from meshlm.serve.engine import Engine
 
     if args.prefill_buckets:
@@ -66,12 +117,12 @@ def start_engine(model, shape, args, console, max_seq_len=None, buckets=None):
         except ValueError:
             raise UsageError(f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256") from None
     engine = Engine(model, max_batch=args.max_batch or shape.data, max_seq_len=args.max_seq_len or max_seq_len,
-                    prefill_buckets=buckets)
+                    prefill_buckets=buckets, link=multihost.link())
     with console.status(f"compiling the decode step and {len(engine.buckets)} prefill bucket(s)"):
         seconds = engine.warmup()
     console.print(f"compiled in {seconds:.1f} s; context {engine.max_seq_len} tokens, {engine.max_batch} slot(s), "
                   f"prompt buckets {', '.join(map(str, engine.buckets))}")
-    return engine.start(warmup=False)
+    return engine
 
 
 def generate(argv: list[str]) -> int:
@@ -91,26 +142,60 @@ def generate(argv: list[str]) -> int:
     g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens [default: 0, off]")
     g.add_argument("--seed", type=int, help="makes sampling repeatable")
     g.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    add_cluster_flags(parser)
     args = parser.parse_args(argv)
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
         raise UsageError(f"{e}; fix the flag") from None
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    err = Console(stderr=True)
-    model, shape = load(args, err)
-    ids = model.tokenizer.encode(prompt)
-    # Compile only what this prompt needs: one prefill length and a cache just long enough.
-    step = 2 * shape.sp
-    need = -(-(len(ids) + max(args.max_tokens, 0)) // step) * step
-    bucket = min(-(-max(len(ids), 1) // step) * step, need)
-    engine = start_engine(model, shape, args, err, max_seq_len=min(need, model.cfg.max_seq_len),
-                          buckets=(min(bucket, model.cfg.max_seq_len),))
-    try:
+
+    def work(main: bool) -> int:
+        import jax
+
+        from meshlm.serve import multihost
+
+        if jax.process_count() > 1:
+            _stdout_for_text_only()
+        prompt = (sys.stdin.read() if args.prompt == "-" else args.prompt) if main else None
+        prompt = multihost.share("prompt", prompt, args.connect_timeout)  # stdin is process 0's
+        err = Console(stderr=True, quiet=not main)
+        model, shape = load(args, err)
+        ids = model.tokenizer.encode(prompt)
+        # Compile only what this prompt needs: one prefill length and a cache just long enough.
+        step = 2 * shape.sp
+        need = -(-(len(ids) + max(args.max_tokens, 0)) // step) * step
+        bucket = min(-(-max(len(ids), 1) // step) * step, need)
+        engine = build_engine(model, shape, args, err, max_seq_len=min(need, model.cfg.max_seq_len),
+                              buckets=(min(bucket, model.cfg.max_seq_len),))
+        request = GenerationRequest(ids, args.max_tokens, sampling, tuple(args.stop))
         try:
-            handle = engine.submit(GenerationRequest(ids, args.max_tokens, sampling, tuple(args.stop)))
+            engine.check(request)  # in every process, so that all of them stop on a bad request
         except ValueError as e:
             raise UsageError(f"{e} (--prompt/--max_tokens/--max_seq_len)") from None
+        if not main:
+            engine.follow()
+            return 0
+        _stream(engine.start(warmup=False), request, prompt, err)
+        return 0
+
+    return run_in_cluster("generate", argv, args, work)
+
+
+def _stdout_for_text_only() -> None:
+    """Across processes the collectives' C++ library prints connection notes on file descriptor 1,
+    from several threads at once: drop what reaches the descriptor and keep `sys.stdout`, on a copy
+    of it, for the text (the runtime's errors go to standard error)."""
+    sys.stdout.flush()
+    text = os.fdopen(os.dup(1), "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors, buffering=1)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+    sys.stdout = text
+
+
+def _stream(engine, request, prompt: str, err) -> None:
+    """Process 0 of `meshlm generate`: the prompt, then the reply as it comes, then the rates."""
+    try:
+        handle = engine.submit(request)
         sys.stdout.write(prompt)
         for event in handle.iter_sync():
             sys.stdout.write(event.text)
@@ -123,7 +208,6 @@ def generate(argv: list[str]) -> int:
                   f"{ttft * 1e3:.0f} ms, then {rate:.1f} tokens/s[/dim]")
     finally:
         engine.stop()
-    return 0
 
 
 def serve(argv: list[str]) -> int:
@@ -140,23 +224,32 @@ def serve(argv: list[str]) -> int:
     g.add_argument("--api_key", default=os.environ.get("MESHLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]")
     g.add_argument("--model_name", help="the model id clients send and /v1/models lists [default: the folder name]")
+    add_cluster_flags(parser)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} must be between 1 and 65535")
-    from meshlm.serve.api import bind, serve as run_server
 
-    console = Console(stderr=True)
-    sock = bind(args.host, args.port)  # before minutes of loading and compiling
-    try:
-        engine = start_engine(*load(args, console), args, console)
-    except BaseException:
-        sock.close()
-        raise
-    if args.model_name:
-        engine.model_name = args.model_name
-    console.print(f"serving {engine.model_name} on http://{args.host}:{args.port} (chat page at /, API at /v1)")
-    try:
-        run_server(engine, host=args.host, port=args.port, api_key=args.api_key, sock=sock)
-    finally:
-        engine.stop()
-    return 0
+    def work(main: bool) -> int:
+        from meshlm.serve.api import bind, serve as run_server
+
+        console = Console(stderr=True, quiet=not main)
+        sock = bind(args.host, args.port) if main else None  # before minutes of loading and compiling
+        try:
+            engine = build_engine(*load(args, console), args, console)
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        if not main:
+            engine.follow()  # until process 0's server stops
+            return 0
+        if args.model_name:
+            engine.model_name = args.model_name
+        console.print(f"serving {engine.model_name} on http://{args.host}:{args.port} (chat page at /, API at /v1)")
+        try:
+            run_server(engine.start(warmup=False), host=args.host, port=args.port, api_key=args.api_key, sock=sock)
+        finally:
+            engine.stop()
+        return 0
+
+    return run_in_cluster("serve", argv, args, work)

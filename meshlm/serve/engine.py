@@ -23,6 +23,11 @@ settings). A loop on its own thread repeats:
 
 Compiled shapes: a prefill per prompt-length bucket and a decode step per (rows, cache prefix)
 bucket, all compiled by `start()`, so traffic never compiles (`compiled_shapes()` lets tests check).
+
+Several processes (`link=`, see meshlm/serve/multihost.py): process 0 runs the loop above and
+publishes each step's host inputs before it runs the step; every other process builds the same
+engine, compiles the same shapes and calls `follow()`, which runs the published steps in order until
+process 0's `stop()`. Only process 0 takes requests and reads tokens.
 """
 
 from __future__ import annotations
@@ -212,7 +217,7 @@ class Engine:
     """Continuous-batching generation for one model on one mesh. Thread-safe `submit`."""
 
     def __init__(self, model: LoadedModel, *, max_batch: int = 8, max_seq_len: int | None = None,
-                 prefill_buckets: tuple[int, ...] | None = None, prefill_batch: int | None = None):
+                 prefill_buckets: tuple[int, ...] | None = None, prefill_batch: int | None = None, link=None):
         from meshlm.errors import UsageError
 
         placement = model.placement
@@ -263,6 +268,7 @@ class Engine:
         self._stopping = False
         self._seed_rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self.stats = collections.Counter()
+        self._link = link  # multihost.Leader in process 0, Follower elsewhere; None for one process
 
     # ------------------------------------------------------------------------ jitted functions
 
@@ -381,6 +387,30 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._link is not None and not self._link.stopped:
+            self._link.stop()  # the followers leave `follow()`; then this process's last steps finish
+            jax.block_until_ready(self._state)
+
+    def follow(self) -> None:
+        """Process k > 0 of several: run the steps process 0 publishes, in order, until it stops.
+        SIGINT/SIGTERM here wait for process 0's stop (multihost.signals_wait_for_leader)."""
+        from meshlm.serve.multihost import signals_wait_for_leader
+
+        with signals_wait_for_leader(self._link):
+            self._follow()
+        jax.block_until_ready(self._state)
+
+    def _follow(self) -> None:
+        while True:
+            step = self._link.receive()
+            if step.kind == "stop":
+                break
+            if step.kind == "prefill":
+                self._state, _ = self._prefill(self._params, self._state, *step.args)
+                self.stats["prefills"] += 1
+            else:
+                self._state, _ = self._decode(self._params, self._state, *step.args)
+                self.stats["decode_steps"] += 1
 
     def warmup(self) -> float:
         """Compile the decode step and every prefill bucket (padding rows only: nothing changes)."""
@@ -430,7 +460,10 @@ class Engine:
             try:
                 self._admit()
                 if any(h is not None for h in self._slots):
-                    self._state, tokens = self._decode(self._params, self._state, *self._decode_shape())
+                    shape = self._decode_shape()
+                    if self._link is not None:
+                        self._link.decode(*shape)
+                    self._state, tokens = self._decode(self._params, self._state, *shape)
                     self.stats["decode_steps"] += 1
                     for i, h in enumerate(self._slots):
                         if h is not None:
@@ -442,6 +475,10 @@ class Engine:
                     self._deliver(*pending)
                 pending = dispatched
             except Exception as e:  # noqa: BLE001  (keep serving: fail only the requests in flight)
+                if self._link is not None:  # the processes may no longer run the same steps: stop them all
+                    from meshlm import distributed
+
+                    distributed.fail_fast(e)
                 log.exception("engine step failed")
                 for i, h in enumerate(self._slots):
                     if h is not None:
@@ -477,6 +514,8 @@ class Engine:
             lengths[row], slot_ids[row] = h.prompt_tokens, slot
         params = [h.request.sampling for h in group] + [SamplingParams(temperature=0.0)] * (Bp - len(group))
         settings = SlotSampling.host(params, [self._seed_rng.getrandbits(32) for _ in params])
+        if self._link is not None:
+            self._link.prefill(tokens, lengths, slot_ids, settings)
         self._state, first = self._prefill(self._params, self._state, tokens, lengths, slot_ids, settings)
         self.stats["prefills"] += 1
         first = np.asarray(first)
