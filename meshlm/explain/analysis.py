@@ -52,22 +52,40 @@ def param_rows(placement: Placement) -> list[dict]:
 # -------------------------------------------------------------------------------- memory (compiled)
 
 
-def n_params(placement: Placement) -> int:
-    return sum(math.prod(s.shape) for s in jax.tree.leaves(placement.shapes))
+def n_params(placement: Placement, axis: str | None = None) -> int:
+    """Parameters per device group: all of them, or with `axis` those one rank of that axis holds (the
+    layers of one pipeline stage and the tables replicated over pp)."""
+    specs = flatten(placement.specs)
+    size = placement.mesh.shape.get(axis, 1) if axis else 1
+
+    def over(spec) -> bool:
+        return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
+
+    return sum(math.prod(s.shape) // (size if axis and over(specs[p]) else 1) for p, s in flatten(placement.shapes).items())
 
 
 def data_size(placement: Placement) -> int:
     return math.prod(placement.mesh.shape[a] for a in placement.strategy.data_axes(placement.mesh))
 
 
+def grad_bytes(placement: Placement) -> int:
+    """Per-device bytes of the gradients in their layout (what the step hands to the optimizer)."""
+    shapes = flatten(placement.shapes)
+    specs = flatten(placement.grad_specs if placement.grad_specs is not None else placement.specs)
+    return sum(_local_bytes(s.shape, s.dtype, specs[p], placement.mesh) for p, s in shapes.items())
+
+
 def state_memory(placement: Placement, compiled_step, compiled_grads, batch: dict) -> dict:
     """Per-device bytes: parameters + optimizer state (the compiled step's arguments less the batch),
-    gradients (the compiled gradient function's outputs), and the ZeRO formula for the same stage."""
+    gradients (the compiled gradient function's outputs; without one, their layouts), and the ZeRO
+    formula for the same stage. With a pp axis Ψ is one stage's parameters."""
     batch_bytes = sum(_local_bytes(b.shape, b.dtype, b.sharding.spec, placement.mesh) for b in batch.values())
     state = compiled_step.memory_analysis().argument_size_in_bytes - batch_bytes
-    grads = compiled_grads.memory_analysis().output_size_in_bytes
+    grads = compiled_grads.memory_analysis().output_size_in_bytes if compiled_grads is not None else grad_bytes(placement)
+    pp = "pp" if placement.mesh.shape.get("pp", 1) > 1 else None
     out = {"params+opt_state": int(state), "grads": int(grads), "total": int(state + grads),
-           "n_params": n_params(placement), "data_devices": data_size(placement)}
+           "grads_from": "compiled" if compiled_grads is not None else "layouts",
+           "n_params": n_params(placement, pp), "data_devices": data_size(placement)}
     stage = placement.strategy.zero_stage
     if stage is not None:
         itemsize = np.dtype(jax.tree.leaves(placement.shapes)[0].dtype).itemsize
@@ -101,10 +119,15 @@ def _first_group(rest: str, n: int) -> list[int] | None:
         if m.group(4):
             ids = ids.transpose([int(d) for d in m.group(4).split(",")])
         return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest):
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
+                      rest):
         names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-        keep = set(re.findall(r"'([^']+)'", m.group(2)))
-        ids = np.arange(n).reshape([int(s) for _, s in names])
+        keep = set(re.findall(r"'([^']+)'", m.group(4)))
+        ids = np.arange(n)
+        if m.group(2):  # the devices in mesh order, as an iota reshaped and transposed
+            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")]) if m.group(3) else ids
+        ids = ids.reshape([int(s) for _, s in names])
         return ids[tuple(slice(None) if name in keep else 0 for name, _ in names)].ravel().tolist()
     if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", rest):
         return [int(m.group(1)), int(m.group(2))]

@@ -51,57 +51,88 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def explain(cfg, tensor: str | None = None, png: str | None = None) -> dict:
-    """Everything `meshlm explain` shows, as one dict (specs and shapes as text)."""
+def explain(cfg, tensor: str | None = None, png: str | None = None, keep: dict | None = None) -> dict:
+    """Everything `meshlm explain` shows, as one dict (specs and shapes as text); `keep`, when given, receives
+    the placement, the compiled step, the abstract batch and the pipeline schedule (None without --pp)."""
     import jax
+    import numpy as np
 
     from meshlm import mesh as meshlib
-    from meshlm.explain import analysis as A
+    from meshlm.explain import analysis as A, pipeline as PL
     from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place
     from meshlm.train.loop import choose_strategy, resolve_dtype
     from meshlm.train.optimizer import OptimizerConfig, make_optimizer
-    from meshlm.train.step import compile_step
+    from meshlm.train.state import abstract_state
+    from meshlm.train.step import abstract_batch, compile_step, make_train_step
 
-    if cfg.pp > 1:
-        raise UsageError("meshlm explain does not show pipelined steps yet; leave out --pp")
     model_cfg = resolve_model(cfg.model or "tiny", cfg.model_overrides).replace(
         dtype=resolve_dtype(cfg.dtype), param_dtype=cfg.param_dtype, remat=cfg.remat)
-    shape = meshlib.resolve_mesh_shape(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, jax.device_count())
+    shape = meshlib.resolve_mesh_shape(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, jax.device_count(), cfg.pp)
+    pipeline = pipeline_schedule(cfg, shape, model_cfg.n_layers) if shape.pp > 1 else None
     meshlib.validate_mesh_shape(shape, batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_heads=model_cfg.n_heads,
                                 n_kv_heads=model_cfg.n_kv_heads, mlp_dim=model_cfg.mlp_dim, vocab_size=model_cfg.vocab_size)
-    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers)
+    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers, pipeline is not None)
     placement = place(model_cfg, meshlib.build_mesh(shape, jax.devices()[: shape.n_devices]), strategy, rules)
     rows = A.param_rows(placement)
     tensor = tensor or next((r["path"] for r in rows if r["path"].endswith("mlp/gate")), rows[0]["path"])
     picture = A.picture(placement, tensor)
     optimizer = make_optimizer(OptimizerConfig(clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay))
-    step, grads, batch = compile_step(placement, optimizer, cfg.batch_size, cfg.seq_len, cfg.grad_accum)
+    if pipeline is None:
+        step, grads, batch = compile_step(placement, optimizer, cfg.batch_size, cfg.seq_len, cfg.grad_accum)
+    else:  # the pipelined step; its gradients are read from their layouts (one compile, not two)
+        state, batch = abstract_state(placement, optimizer), abstract_batch(placement, cfg.batch_size, cfg.seq_len)
+        step, grads = make_train_step(placement, optimizer, pipeline=pipeline).lower(state, batch).compile(), None
+    found = A.collectives(step.as_text(), placement)
     report = {
-        "mesh_dim": str(shape), "strategy": strategy.name,
+        "mesh_dim": str(shape), "pp": shape.pp, "strategy": strategy.name,
         "groups": [{"layers": g.key, "strategy": g.strategy.name} for g in placement.groups],
         "parameters": [{**r, "shape": list(r["shape"]), **{k: str(r[k]) for k in ("spec", "grad_spec", "opt_spec")}}
                        for r in rows],
         "memory": A.state_memory(placement, step, grads, batch),
         "collectives": [dict(kind=c.kind, axes=list(c.axes), payload_bytes=c.payload_bytes, count=c.count,
-                             total_bytes=c.total_bytes, where=c.where) for c in A.collectives(step.as_text(), placement)],
+                             total_bytes=c.total_bytes, where=c.where, role=PL.role(c)) for c in found],
         "boundaries": [{**b, "spec_before": str(b["spec_before"]), "spec_after": str(b["spec_after"]),
                         "forward": [c.__dict__ for c in b["forward"]], "backward": [c.__dict__ for c in b["backward"]]}
                        for b in A.boundaries(placement, cfg.batch_size // cfg.grad_accum, cfg.seq_len)],
         "tensor": tensor, "picture": picture,
     }
+    if pipeline is not None:
+        mb_shape = (cfg.batch_size // pipeline.microbatches, cfg.seq_len, model_cfg.d_model)
+        moves = PL.transfers(found, pipeline, mb_shape, np.dtype(model_cfg.dtype).itemsize)
+        report["pipeline"] = {
+            "schedule": PL.describe(pipeline), "stages": PL.stage_layout(placement, pipeline),
+            "memory": PL.stage_memory(step, state, batch, moves["per_device_bytes"], pipeline), "transfers": moves,
+        }
     if png:
         report["png"] = str(A.write_png(placement, tensor, png))
+    if keep is not None:  # the compiled objects themselves, for callers that read further (tests)
+        keep.update(placement=placement, step=step, batch=batch, schedule=pipeline)
     return report
 
 
-def print_report(r: dict, file=sys.stdout) -> None:
+def pipeline_schedule(cfg, shape, n_layers: int):
+    """The `--pp` flags checked as `meshlm train` checks them, and the schedule they give."""
+    from meshlm.ops.pipeline import build_schedule, check
+
+    micro = cfg.microbatches or 2 * shape.pp
+    check(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, n_layers)
+    if cfg.grad_accum > 1:
+        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
+    if cfg.batch_size % (micro * shape.data):
+        raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
+                         f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
+    return build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
+
+
+def print_report(r: dict, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file, width=200)
+    console = Console(file=file or sys.stdout, width=200)  # sys.stdout as it is now (pytest swaps it)
     groups = ", ".join(f"layers {g['layers']}: {g['strategy']}" for g in r["groups"])
-    console.print(f"--mesh_dim={r['mesh_dim']} strategy {r['strategy']}" + (f" ({groups})" if groups else ""))
+    pp = f" --pp={r['pp']}" if r.get("pp", 1) > 1 else ""
+    console.print(f"--mesh_dim={r['mesh_dim']}{pp} strategy {r['strategy']}" + (f" ({groups})" if groups else ""))
     t = Table(title="parameters (per device)", title_justify="left")
     for col in ("path", "shape", "PartitionSpec", "grads / optimizer state", "bytes/device", "from"):
         t.add_column(col)
@@ -109,9 +140,13 @@ def print_report(r: dict, file=sys.stdout) -> None:
         other = "" if p["grad_spec"] == p["spec"] == p["opt_spec"] else f"{p['grad_spec']} / {p['opt_spec']}"
         t.add_row(p["path"], str(tuple(p["shape"])), p["spec"], other, f"{p['bytes']:,}", p["source"])
     console.print(t)
+    pipe = r.get("pipeline")
+    if pipe:
+        _print_stages(console, pipe)
     m = r["memory"]
-    line = (f"memory per device (compiled): params + optimizer state {_mib(m['params+opt_state'])}, "
-            f"gradients {_mib(m['grads'])}, total {_mib(m['total'])}; Ψ = {m['n_params']:,} parameters, "
+    line = (f"memory per device (compiled): params + optimizer state {_mib(m['params+opt_state'])}, gradients "
+            f"{_mib(m['grads'])}{' (from their layouts)' if m['grads_from'] == 'layouts' else ''}, total "
+            f"{_mib(m['total'])}; Ψ = {m['n_params']:,} parameters{' per stage' if pipe else ''}, "
             f"N = {m['data_devices']} data devices")
     console.print(line)
     if "formula" in m:
@@ -119,18 +154,24 @@ def print_report(r: dict, file=sys.stdout) -> None:
         console.print(f"ZeRO stage {r['strategy'].rsplit('zero', 1)[-1]} formula: {_mib(f['total'])} (params "
                       f"{_mib(f['params'])} + grads {_mib(f['grads'])} + optimizer state {_mib(f['opt_state'])}); "
                       f"compiled / formula = {m['total'] / f['total']:.4f}")
+    if pipe:
+        _print_stage_memory(console, pipe)
+        _print_schedule(console, pipe["schedule"])
     t = Table(title="collectives in the compiled train step (per device, per step)", title_justify="left")
-    for col in ("kind", "mesh axes", "bytes each", "times", "total", "where"):
+    for col in ("kind", "mesh axes", "bytes each", "times", "total", "where") + (("role",) if pipe else ()):
         t.add_column(col)
     merged: dict[tuple, list] = defaultdict(lambda: [0, 0])
     for c in r["collectives"]:
-        key = (c["kind"], ",".join(c["axes"]) or "-", c["payload_bytes"], c["where"])
+        key = (c["kind"], ",".join(c["axes"]) or "-", c["payload_bytes"], c["where"], c.get("role", ""))
         merged[key][0] += c["count"]
         merged[key][1] += c["total_bytes"]
-    for (kind, axes, each, where), (count, total) in sorted(merged.items(), key=lambda kv: -kv[1][1]):
+    for (kind, axes, each, where, role), (count, total) in sorted(merged.items(), key=lambda kv: -kv[1][1]):
         where = where.replace("closed_call/", "").replace("while/body/", "scan/")
-        t.add_row(kind, axes, f"{each:,}", str(count), f"{total:,}", where if len(where) < 100 else where[:45] + "…" + where[-50:])
+        t.add_row(kind, axes, f"{each:,}", str(count), f"{total:,}",
+                  where if len(where) < 100 else where[:45] + "…" + where[-50:], *((role,) if pipe else ()))
     console.print(t)
+    if pipe:
+        _print_transfers(console, pipe["transfers"], pipe["schedule"])
     for b in r["boundaries"]:
         def moves(cs):
             return ", ".join(f"{c['kind']} over {','.join(c['axes'])} {c['payload_bytes']:,} B" for c in cs) or "no collective (a local slice)"
@@ -139,3 +180,72 @@ def print_report(r: dict, file=sys.stdout) -> None:
     console.print(r["picture"], highlight=False, markup=False)
     if "png" in r:
         console.print(f"wrote {r['png']}")
+
+
+def _print_stages(console, pipe: dict) -> None:
+    from rich.table import Table
+
+    s = pipe["schedule"]
+    t = Table(title=f"pipeline stages: {s['stages']} stages on pp = {s['pp']} ranks"
+              + (f" ({s['virtual_stages']} virtual stages each, stage k on rank k mod pp)" if s["virtual_stages"] > 1 else ""),
+              title_justify="left")
+    for col in ("pp rank", "devices", "layers stored", "stages run (layers)", "embed", "final_norm, lm_head"):
+        t.add_column(col)
+    for row in pipe["stages"]:
+        t.add_row(str(row["rank"]), ",".join(map(str, row["devices"])), row["layers_stored"],
+                  ", ".join(f"{x['stage']} ({x['layers']})" for x in row["stages"]), row["embed"], row["head"])
+    console.print(t)
+    console.print("Every rank runs one program: it computes the embedding lookup at every forward clock and the head "
+                  "(final norm, output projection, loss) at every backward clock, and keeps only the first and last "
+                  "stage's; the tables' gradients are summed over pp (the 'sum over stages' all-reduce).", highlight=False)
+    if s["virtual_stages"] > 1:
+        console.print(f"With virtual stages a rank runs other layers than it stores: every step the stored layers move "
+                      f"to their stages and the gradients back (all-to-all over pp, {pipe['transfers']['relayout_bytes']:,} "
+                      "B per device: 'layers to virtual stages').", highlight=False)
+
+
+def _print_stage_memory(console, pipe: dict) -> None:
+    from rich.table import Table
+
+    m, s, ranks = pipe["memory"], pipe["schedule"], pipe["schedule"]["ranks"]
+    mb = m["microbatch_bytes"]
+    console.print(
+        f"per stage, per device (compiled; the same on every rank): params + optimizer state "
+        f"{_mib(m['params+opt_state'])} = layers {_mib(m['state_layers'])} (the rank's share) + embedding, head and "
+        f"counters {_mib(m['state_embedding+head'])} (whole on every rank)", highlight=False)
+    console.print(
+        f"  temporaries {_mib(m['temporaries'])}, of which the stash buffers every rank allocates: "
+        f"({s['act_slots']} + 1 trash) activation slots × {_mib(mb)} = {_mib(m['stash_buffer'])} and "
+        f"({s['cot_slots']} + 1) cotangent slots = {_mib(m['cotangent_buffer'])}", highlight=False)
+    t = Table(title=f"activations in flight by rank ({s['name']}, {s['microbatches']} microbatches of {_mib(mb)} per "
+              "device: the input of one stage)", title_justify="left")
+    for col in ("pp rank", "microbatches in flight (peak)", "inputs stashed (peak)", "stash bytes"):
+        t.add_column(col)
+    for r, stash in zip(ranks, m["stash_by_rank"]):
+        t.add_row(str(r["rank"]), str(r["in_flight"]), str(r["stash"]), _mib(stash) if stash else "0")
+    console.print(t)
+
+
+def _print_schedule(console, s: dict) -> None:
+    console.print(f"schedule {s['name']}: pp = {s['pp']}, {s['microbatches']} microbatches"
+                  + (f", {s['virtual_stages']} virtual stages" if s["virtual_stages"] > 1 else "")
+                  + f", {s['clocks']} clocks; bubble {s['bubble']:.4f} from the table (a backward costs two forwards), "
+                  f"(p-1)/(m·v+p-1) = {s['theoretical_bubble']:.4f}", highlight=False)
+    console.print("F3 forward of microbatch 3, B3 its backward, F3B1 both in one clock, · idle"
+                  + (", F3.1 on the rank's virtual stage 1" if s["virtual_stages"] > 1 else ""), highlight=False)
+    console.print(s["picture"], highlight=False, markup=False, soft_wrap=True)
+
+
+def _print_transfers(console, x: dict, s: dict) -> None:
+    c, e = x["compiled"], x["expected"]
+    per = x["per_device_bytes"]
+    split = f" (XLA splits it {x['microbatch_bytes'] // per} ways within the stage)" if per and x["microbatch_bytes"] != per else ""
+    console.print(
+        f"stage transfers (collective-permute over pp): {c['count']} per step × {', '.join(f'{b:,}' for b in c['payload_bytes'])} B "
+        f"= {c['bytes']:,} B per device; the schedule sends one per forward clock (activations, {e['activations']}) "
+        f"and one per backward clock (cotangents, {e['cotangents']}) = {e['count']} × one microbatch "
+        f"{tuple(x['microbatch_shape'])} ({x['microbatch_bytes']:,} B, {per:,} B per device{split})"
+        + (f" = {e['bytes']:,} B" if e["bytes"] is not None else ""), highlight=False)
+    useful = "; ".join(f"rank {u['rank']} {u['activations']} + {u['cotangents']}" for u in x["useful_by_rank"])
+    console.print(f"messages that carry a microbatch (activations + cotangents), the rest are idle clocks' trash: {useful}",
+                  highlight=False)
