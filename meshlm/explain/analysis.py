@@ -8,7 +8,9 @@ Takes every `meshlm train` flag (swap the verb to explain a training command) an
   2. per-device memory of parameters, gradients and optimizer state, compiled, beside the ZeRO formula;
   3. every collective XLA put in the compiled train step: kind, mesh axes, bytes, where it comes from;
   4. with per-layer-range strategies, what each boundary costs: the residual stream's resharding;
-  5. how one tensor (`--tensor`) lies across the devices, as text and optionally as a PNG.
+  5. how one tensor (`--tensor`) lies across the devices, as text and optionally as a PNG;
+  6. with `--pp`, the pipeline: stage layout, per-stage memory and stash, schedule and bubble, stage
+     transfers (`meshlm.explain.pipeline`).
 Nothing is trained; the step is compiled with abstract inputs, nothing allocated.
 """
 

@@ -217,9 +217,8 @@ def _print_stage_memory(console, pipe: dict) -> None:
         f"  temporaries {_mib(m['temporaries'])}, of which the stash buffers every rank allocates: "
         f"({s['act_slots']} + 1 trash) activation slots × {_mib(mb)} = {_mib(m['stash_buffer'])} and "
         f"({s['cot_slots']} + 1) cotangent slots = {_mib(m['cotangent_buffer'])}", highlight=False)
-    t = Table(title=f"activations in flight by rank ({s['name']}, {s['microbatches']} microbatches of {_mib(mb)} per "
-              "device: the input of one stage)", title_justify="left")
-    for col in ("pp rank", "microbatches in flight (peak)", "inputs stashed (peak)", "stash bytes"):
+    t = Table(title=f"activation stash by rank ({s['name']}, {s['microbatches']} microbatches)", title_justify="left")
+    for col in ("pp rank", "microbatches in flight (peak)", "stage inputs stashed (peak)", f"× {_mib(mb)} per device"):
         t.add_column(col)
     for r, stash in zip(ranks, m["stash_by_rank"]):
         t.add_row(str(r["rank"]), str(r["in_flight"]), str(r["stash"]), _mib(stash) if stash else "0")
@@ -239,13 +238,13 @@ def _print_schedule(console, s: dict) -> None:
 def _print_transfers(console, x: dict, s: dict) -> None:
     c, e = x["compiled"], x["expected"]
     per = x["per_device_bytes"]
-    split = f" (XLA splits it {x['microbatch_bytes'] // per} ways within the stage)" if per and x["microbatch_bytes"] != per else ""
-    console.print(
-        f"stage transfers (collective-permute over pp): {c['count']} per step × {', '.join(f'{b:,}' for b in c['payload_bytes'])} B "
-        f"= {c['bytes']:,} B per device; the schedule sends one per forward clock (activations, {e['activations']}) "
-        f"and one per backward clock (cotangents, {e['cotangents']}) = {e['count']} × one microbatch "
-        f"{tuple(x['microbatch_shape'])} ({x['microbatch_bytes']:,} B, {per:,} B per device{split})"
-        + (f" = {e['bytes']:,} B" if e["bytes"] is not None else ""), highlight=False)
+    split = f" (split {x['microbatch_bytes'] // per} ways within the stage)" if per and x["microbatch_bytes"] != per else ""
+    console.print(f"stage transfers (collective-permute over pp, compiled): {c['count']} per step × "
+                  f"{', '.join(f'{b:,}' for b in c['payload_bytes'])} B = {c['bytes']:,} B per device", highlight=False)
+    console.print(f"  the schedule: one per forward clock (activations, {e['activations']}) + one per backward clock "
+                  f"(cotangents, {e['cotangents']}) = {e['count']} × one microbatch's stage input "
+                  f"{tuple(x['microbatch_shape'])}, {x['microbatch_bytes']:,} B, {per:,} B per device as compiled{split}"
+                  + (f" = {e['bytes']:,} B" if e["bytes"] is not None else ""), highlight=False)
     useful = "; ".join(f"rank {u['rank']} {u['activations']} + {u['cotangents']}" for u in x["useful_by_rank"])
-    console.print(f"messages that carry a microbatch (activations + cotangents), the rest are idle clocks' trash: {useful}",
-                  highlight=False)
+    console.print(f"  of these, carrying a microbatch (activations + cotangents): {useful}; the others send an idle "
+                  "clock's trash slot (every rank sends at every clock)", highlight=False)

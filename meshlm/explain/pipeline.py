@@ -78,7 +78,7 @@ def schedule_picture(schedule: Schedule, max_clocks: int = 48) -> str:
              for r in range(pp)]
     width = max(len(c) for row in cells for c in row + [str(T - 1)])
     label = max(len(f"rank {pp - 1}"), len("clock"))
-    lines = ["clock".ljust(label) + " " + " ".join(str(t).ljust(width) for t in range(T))]
+    lines = [("clock".ljust(label) + " " + " ".join(str(t).ljust(width) for t in range(T))).rstrip()]
     lines += [f"rank {r}".ljust(label) + " " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(cells)]
     if T < schedule.clocks:
         lines[0] += f"  … ({schedule.clocks} clocks in all)"

@@ -102,7 +102,7 @@ def test_per_stage_memory(case):
     psi = case["report"]["memory"]["n_params"]
     whole = sum(math.prod(p["shape"]) for p in case["report"]["parameters"])
     assert psi < whole  # Ψ is one stage's parameters
-    assert "per stage, per device" in case["text"] and "activations in flight by rank" in case["text"]
+    assert "per stage, per device" in case["text"] and "activation stash by rank" in case["text"]
 
 
 @pytest.mark.parametrize("flags, words", [
