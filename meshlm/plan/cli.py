@@ -10,10 +10,13 @@ Flags shared with `meshlm train` keep its names and meanings. Bad input is one `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 
 from meshlm.errors import UsageError
+from meshlm.plan.pipeline import PipelineFlags, check_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--param_dtype", default="float32", help="parameter and optimizer-state dtype [default: float32]")
     job.add_argument("--remat", default="none", help="none, full, save_dots, save_qkv_attn [default: none]")
     job.add_argument("--optimizer", default="adamw", help="adamw (meshlm train's optimizer) [default: adamw]")
-    job.add_argument("--mesh_dim", help="evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1)")
+    job.add_argument("--mesh_dim", help="evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)")
+    pipe = p.add_argument_group("pipeline stages (as in meshlm train)")
+    pipe.add_argument("--pp", default="1", help="pipeline stages, or auto: also plan every pp that divides the devices "
+                                                "and the layers [default: 1]")
+    for name in ("pipeline_schedule", "microbatches", "virtual_stages"):
+        _train_flag(pipe, name)
+    cluster = p.add_argument_group("several processes, for --verify (as in meshlm train)")
+    for name in ("coordinator_address", "num_processes", "process_id"):
+        _train_flag(cluster, name)
     hw = p.add_argument_group("the devices")
     hw.add_argument("--hardware", default="h100", help=f"one of {', '.join(NAMES)} [default: h100]")
     hw.add_argument("--devices", type=int, help="device count [default: 8, or hosts × devices_per_host]")
@@ -42,6 +53,47 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     out.add_argument("--png", metavar="PATH", help="write a chart: memory pie per mesh and predicted step time")
     return p
+
+
+def _train_flag(group, name: str) -> None:
+    """A flag `meshlm train` has, with its name, type, default and help."""
+    import typing
+
+    from meshlm.train.loop import TrainConfig
+
+    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+    kind = typing.get_type_hints(TrainConfig)[name]
+    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+    suffix = f" [default: {f.default}]" if f.default is not None else ""
+    group.add_argument(f"--{name}", type=base, default=f.default, help=f.metadata["help"] + suffix,
+                       metavar=base.__name__.upper())
+
+
+def _pipeline(args) -> tuple[PipelineFlags, int | None]:
+    """The pipeline flags and --pp (None for auto), checked as `meshlm train` checks them."""
+    from meshlm.ops.pipeline import check
+
+    flags = PipelineFlags(args.pipeline_schedule, args.microbatches, args.virtual_stages)
+    if args.pp == "auto":
+        if args.mesh_dim:
+            raise UsageError(f"--pp=auto searches the meshes, --mesh_dim={args.mesh_dim} names one; give --pp=N "
+                             "(or pp:N in --mesh_dim) with it, or leave --mesh_dim out")
+        check(flags.schedule, 1, flags.microbatches or 2, flags.virtual_stages)  # names and signs
+        return flags, None
+    try:
+        pp = int(args.pp)
+    except ValueError:
+        raise UsageError(f"--pp={args.pp}: give a number of pipeline stages or auto") from None
+    if pp < 1:
+        raise UsageError(f"--pp={pp} must be a positive integer (or auto)")
+    return flags, pp
+
+
+def _check_pipeline(flags: PipelineFlags, pp: int, n_layers: int, grad_accum: int) -> None:
+    if pp > 1:
+        check_flags(flags, pp, n_layers)
+        if grad_accum > 1:
+            raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
 
 
 def _device_count(args, per_host_default: int | None) -> tuple[int, int | None]:
@@ -84,9 +136,15 @@ def _check(args) -> None:
 
 
 def run(argv: list[str]) -> int:
-    """Parse flags, plan, print; raises UsageError for bad input (the CLI prints it and exits 2)."""
+    """Parse flags, plan, print; raises UsageError for bad input (the CLI prints it and exits 2).
+
+    With --verify and several processes (flags or JAX_* variables, as `meshlm train`), each process
+    runs this in a supervised child, joins `jax.distributed` and compiles over all processes' devices;
+    process 0 prints."""
+    from meshlm import distributed
     from meshlm.cli import _split_model_overrides
 
+    raw = list(argv)
     argv, overrides = _split_model_overrides(list(argv))
     args = _parser().parse_args(argv)
     _check(args)
@@ -94,11 +152,31 @@ def run(argv: list[str]) -> int:
 
     key = hardware_key(args.hardware)
     n_devices, per_host = _device_count(args, CATALOG[key].devices_per_host if key in CATALOG else None)
-    if args.verify:
-        from meshlm.train.loop import configure_devices
+    from meshlm.train.loop import configure_devices
 
-        configure_devices(n_devices)  # effective only if JAX has not started yet (a fresh process)
+    cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id)
+    if not (args.verify and cluster.multi_process):
+        if args.verify:
+            configure_devices(n_devices)  # effective only if JAX has not started yet (a fresh process)
+        return _run(args, overrides, n_devices, per_host, key, cluster.process_id == 0)
+    if not distributed.is_worker():
+        return distributed.supervise(["plan", *raw], cluster)  # the work runs in a watched child
+    if n_devices % cluster.num_processes:
+        raise UsageError(f"--devices={n_devices} does not split over --num_processes={cluster.num_processes}")
+    configure_devices(n_devices // cluster.num_processes)  # each process brings its share of the devices
+    distributed.initialize(cluster)
+    try:
+        rc = _run(args, overrides, n_devices, per_host, key, cluster.process_id == 0)
+    except UsageError as e:  # the others may wait for this one: leave now, status 2
+        print(f"error: process {cluster.process_id}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except Exception as e:  # noqa: BLE001
+        distributed.fail_fast(e)
+    distributed.finish()
+    return rc
 
+
+def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, prints: bool) -> int:
     from meshlm.mesh import resolve_mesh_shape
     from meshlm.models.configs import resolve_model
     from meshlm.models.llama import REMAT_POLICIES
@@ -113,18 +191,23 @@ def run(argv: list[str]) -> int:
     if args.seq_len > cfg.max_seq_len:
         raise UsageError(f"--seq_len={args.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
                          "raise --model.max_seq_len or shorten --seq_len")
+    flags, pp = _pipeline(args)
+    only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices, pp) if args.mesh_dim else None
+    if only is not None:
+        pp = only.pp  # --pp, or pp:N in the named --mesh_dim
+    if pp is not None:
+        _check_pipeline(flags, pp, cfg.n_layers, args.grad_accum)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
-    job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum)
-    only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices) if args.mesh_dim else None
-    if only is not None and getattr(only, "pp", 1) > 1:
-        raise UsageError(f"--mesh_dim={args.mesh_dim}: meshlm plan does not model pipeline stages (pp); "
-                         "give a dp,fsdp,tp,sp mesh without pp")
-    plans, rejected = search.search(job, hw, only)
+    job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum, flags)
+    pps = search.auto_pps(job) if pp is None else (pp,)
+    plans, rejected = search.search(job, hw, only, pps)
 
     if args.verify:
         from meshlm.plan.verify import verify
 
         verify(job, plans, args.verify, hw.name)
+    if not prints:
+        return 0
     model_flags = [f"--model={args.model}", *(f"--model.{k}={v}" for k, v in overrides.items())]
     if args.png:
         path = report.write_png(args.png, job, hw, plans, args.top)

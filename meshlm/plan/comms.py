@@ -65,20 +65,33 @@ class Collective:
         return math.prod(sizes[a] for a in self.axes)
 
 
+class Collectives(list):
+    """A step's collectives; `add` leaves out the mesh axes of size 1 and what then moves nothing."""
+
+    def __init__(self, shape: MeshShape):
+        super().__init__()
+        self.sizes = shape.as_dict()
+
+    def add(self, kind, axes, payload, count, op, what, overlappable=True) -> None:
+        axes = tuple(x for x in axes if self.sizes.get(x, 1) > 1)
+        if axes and payload > 0 and count > 0:
+            self.append(Collective(kind, axes, float(payload), count, op, what, overlappable))
+
+
 def predict(job: Job, shape: MeshShape) -> list[Collective]:
     """Every collective of one step on this mesh (groups of one device are left out)."""
+    if shape.pp > 1:
+        from meshlm.plan.pipeline import collectives
+
+        return collectives(job, shape)
     loc = job.local(shape)
     sizes = shape.as_dict()
     cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
     a, p, n, E = job.act_bytes, job.param_bytes, loc.tokens, cfg.d_model
     F = ("fsdp", "sp")
     batch_axes = ("dp", "fsdp")
-    out: list[Collective] = []
-
-    def add(kind, axes, payload, count, op, what, overlappable=True):
-        axes = tuple(x for x in axes if sizes[x] > 1)
-        if axes and payload > 0 and count > 0:
-            out.append(Collective(kind, axes, float(payload), count, op, what, overlappable))
+    out = Collectives(shape)
+    add = out.add
 
     fsdp_on = sizes["fsdp"] * sizes["sp"] > 1
     layer_weights = {"attn.qkv": loc.w_qkv, "attn.out": loc.w_out, "mlp.in": loc.w_mlp_in, "mlp.down": loc.w_mlp_out}
@@ -128,7 +141,7 @@ def predict(job: Job, shape: MeshShape) -> list[Collective]:
         add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, s * L * A, "attention",
             "ring: pass k, v, ids and dk, dv accumulators (backward)")
         add("collective-permute", ("sp",), 2 * kv32, L * A, "attention", "ring: send dk, dv home")
-    return out
+    return list(out)
 
 
 def total_bytes(collectives: list[Collective]) -> dict[str, float]:
@@ -146,12 +159,13 @@ def total_bytes(collectives: list[Collective]) -> dict[str, float]:
 def axis_split(shape: MeshShape, hw: Hardware) -> dict[str, tuple[int, int]]:
     """(devices inside one fast domain, fast domains) along each mesh axis.
 
-    Devices are laid out with the last axis fastest-varying (sp, then tp, fsdp, dp), so the
-    communication-heavy model axes sit inside a server or slice and data axes span them.
+    Devices are laid out with the last axis fastest-varying (sp, then tp, fsdp, dp, and pp outermost),
+    so the communication-heavy model axes sit inside a server or slice, and data axes and pipeline
+    stages span them: with several hosts, pp crosses them first.
     """
     inner = 1
     out = {}
-    for axis in reversed(AXES):
+    for axis in reversed(("pp", *AXES) if shape.pp > 1 else AXES):
         size = shape.as_dict()[axis]
         room = max(1, hw.fast_domain // inner)
         fast = math.gcd(size, room)

@@ -116,11 +116,21 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
         "loss": (f"softmax over {nt('a', 'batch', 'length', 'vocab')}", 0.0),
         "norms": (f"RMSNorm {nt('p', 'embed')}", 0.0),
     }
+    pipelined = {}
+    if shape.pp > 1:
+        from meshlm.plan.pipeline import operator_flops, schedule_of
+
+        pipelined = operator_flops(job, shape)
+        s = schedule_of(job.pipeline, shape.pp)
+        rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
+                            f" of {job.batch_size // s.microbatches} rows, ring over pp)", 0.0)
     fwd = _matmul_flops(loc)
     recomputed = _RECOMPUTED.get(cfg.remat, set())
     ops = []
     for name, (text, flops) in rows.items():
-        if flops is None:
+        if name in pipelined:
+            flops = pipelined[name]
+        elif flops is None:
             flops = fwd[name] * (3 + (name in recomputed)) * L * A
         op = Operator(name, text, flops, [c for c in collectives if c.op == name])
         op.compute_s = flops / hw.peak_flops(cfg.dtype)
@@ -157,6 +167,8 @@ def _fix(op: Operator, cs: list[comms.Collective], loc: Local, shape: MeshShape)
         return f"less sp or a longer sequence per device (now {loc.length} tokens)"
     if axes & {"fsdp", "sp"}:
         return f"more tokens per device (now {loc.tokens}: raise batch_size or seq_len), or less fsdp across hosts"
+    if "pp" in axes:
+        return "more rows per microbatch (fewer --microbatches) or fewer pipeline stages"
     if "dp" in axes:
         return "fsdp instead of dp (reduce-scatter sends half of an all-reduce) or more tokens per device"
     return "fewer devices on this axis"
@@ -198,7 +210,12 @@ def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[Operator],
     a, p = job.act_bytes, job.param_bytes
     # Non-matmul work streams each saved activation about three times (forward, backward, recompute)
     # and the optimizer reads parameter, gradient and both moments and writes three of them back.
-    elementwise = 3 * job.cfg.n_layers * job.grad_accum * loc.tokens * saved_per_token_layer(loc, "none") * a
+    if shape.pp > 1:
+        from meshlm.plan.pipeline import elementwise_bytes
+
+        elementwise = elementwise_bytes(job, shape)
+    else:
+        elementwise = 3 * job.cfg.n_layers * job.grad_accum * loc.tokens * saved_per_token_layer(loc, "none") * a
     optimizer = 7 * params_bytes
     memory_s = (elementwise + optimizer) / hw.hbm_bandwidth
     compute_s = sum(op.compute_s for op in ops) + memory_s

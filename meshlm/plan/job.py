@@ -6,13 +6,14 @@ its rows and tokens per micro-batch and its shard of heads, MLP width and vocabu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import jax.numpy as jnp
 
 from meshlm.mesh import MeshShape, check_shape_fits
 from meshlm.models.configs import ModelConfig
+from meshlm.plan.pipeline import PipelineFlags, problem as pipeline_problem
 
 # meshlm.models.llama.attend switches from dense to blockwise (flash) attention at this length when
 # the sequence is not split; with sp > 1 attention is RingAttention.
@@ -28,6 +29,7 @@ class Job:
     seq_len: int
     n_devices: int
     grad_accum: int = 1
+    pipeline: PipelineFlags = field(default_factory=PipelineFlags)  # used on meshes with pp > 1
 
     @property
     def tokens(self) -> int:
@@ -47,6 +49,10 @@ class Job:
     def problem(self, shape: MeshShape) -> str | None:
         """Why this mesh cannot run the job (the checks `meshlm train` makes), or None."""
         c = self.cfg
+        if shape.pp > 1:
+            found = pipeline_problem(self.pipeline, shape, c.n_layers, self.batch_size, self.grad_accum)
+            if found:
+                return found
         found = check_shape_fits(shape, batch_size=self.batch_size, seq_len=self.seq_len, n_heads=c.n_heads,
                                  n_kv_heads=c.n_kv_heads, mlp_dim=c.mlp_dim, vocab_size=c.vocab_size)
         if found is None and (self.batch_size // self.grad_accum) % shape.data:

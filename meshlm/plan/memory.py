@@ -96,6 +96,10 @@ class MemoryPie:
 
 
 def estimate(job: Job, shape: MeshShape) -> MemoryPie:
+    if shape.pp > 1:
+        from meshlm.plan.pipeline import estimate as pipelined
+
+        return pipelined(job, shape)
     loc = job.local(shape)
     cfg = job.cfg
     state = state_bytes(cfg)

@@ -14,8 +14,10 @@ PIE = ("params", "gradients", "optimizer", "activations", "temporaries")
 
 def train_command(job: Job, plan: Plan, model_flags: list[str]) -> str:
     """The `meshlm train` line that runs this plan."""
-    parts = ["meshlm train", *model_flags, f"--mesh_dim={plan.mesh_dim}", f"--batch_size={job.batch_size}",
-             f"--seq_len={job.seq_len}"]
+    parts = ["meshlm train", *model_flags, f"--mesh_dim={plan.mesh_dim}"]
+    if plan.shape.pp > 1:
+        parts += job.pipeline.flags(plan.shape.pp)
+    parts += [f"--batch_size={job.batch_size}", f"--seq_len={job.seq_len}"]
     if job.grad_accum > 1:
         parts.append(f"--grad_accum={job.grad_accum}")
     parts += [f"--dtype={job.cfg.dtype}", f"--param_dtype={job.cfg.param_dtype}", f"--remat={job.cfg.remat}"]
@@ -72,6 +74,9 @@ def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int) -> dict[s
         },
         "operators": [_operator_json(op) for op in plan.operators],
     }
+    if plan.pipeline is not None:
+        out["pp"] = plan.shape.pp
+        out["pipeline"] = plan.pipeline.as_dict()
     if plan.compiled:
         c = plan.compiled
         out["compiled"] = {
@@ -82,6 +87,9 @@ def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int) -> dict[s
         }
         out["error_percent"] = {"memory_bytes_per_device": c["error_percent"]["peak_memory"],
                                 "collective_bytes_per_device_per_step": c["error_percent"]["collective_bytes"]}
+        if "stage_transfer_bytes" in c:
+            out["compiled"]["stage_transfer_bytes_per_device_per_step"] = c["stage_transfer_bytes"]
+            out["error_percent"]["stage_transfer_bytes_per_device_per_step"] = c["error_percent"]["stage_transfers"]
     return out
 
 
@@ -91,7 +99,9 @@ def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str],
         "job": {"model": " ".join(model_flags), "parameters": c.num_params(), "n_layers": c.n_layers,
                 "batch_size": job.batch_size, "seq_len": job.seq_len, "grad_accum": job.grad_accum,
                 "devices": job.n_devices, "dtype": c.dtype, "param_dtype": c.param_dtype, "remat": c.remat,
-                "tokens_per_step": job.tokens},
+                "tokens_per_step": job.tokens,
+                "pipeline": {"schedule": job.pipeline.schedule, "microbatches": job.pipeline.microbatches,
+                             "virtual_stages": job.pipeline.virtual_stages}},
         "hardware": {"name": hw.name, "peak_flops_per_second": hw.peak_flops(c.dtype), "memory_bytes": hw.hbm_bytes,
                      "memory_bytes_per_second": hw.hbm_bandwidth, "fast_link": hw.fast_name,
                      "fast_link_bytes_per_second": hw.fast_bandwidth, "slow_link": hw.slow_name,
@@ -118,25 +128,39 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     console.print(f"[bold]{' '.join(model_flags)}[/]: {c.num_params() / 1e9:.3g}B parameters; batch {job.batch_size} × "
                   f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
                   f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB, {_links(hw)} per device); remat {c.remat}", highlight=False)
-    verified = any(p.compiled for p in plans[:top])
+    shown = plans[:top]
+    verified = any(p.compiled for p in shown)
+    staged = any(p.pipeline for p in shown)
     table = Table(title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
                         "(params + gradients + optimizer + activations + temporaries)")
-    for col in ("#", "mesh_dim", "memory", "pie", "fits", "step s", "tokens/s", "MFU", "comm-bound"):
-        table.add_column(col, justify="left" if col in ("mesh_dim", "pie", "comm-bound") else "right")
+    columns = ["#", "mesh_dim", *(("pp", "bubble", "xfer GB") if staged else ()), "memory", "pie", "fits", "step s",
+               "tokens/s", "MFU", "comm-bound"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("mesh_dim", "pp", "pie", "comm-bound") else "right")
     if verified:
-        for col in ("compiled GB", "mem err", "coll err"):
+        for col in ("compiled GB", "mem err", "coll err", *(("xfer err",) if staged else ())):
             table.add_column(col, justify="right")
-    for i, p in enumerate(plans[:top], 1):
+    for i, p in enumerate(shown, 1):
         m = p.memory.as_dict()
-        row = [str(i), p.mesh_dim, _gb(m["total"]), " + ".join(_gb(m[k]) for k in PIE), "yes" if p.fits else "[red]no[/]",
-               f"{p.time.step_s:.3g}", f"{p.time.tokens_per_s:,.0f}", f"{p.time.mfu:.0%}",
-               ", ".join(op.name for op in p.comm_bound) or "-"]
+        row = [str(i), p.mesh_dim]
+        if staged:
+            pl = p.pipeline
+            row += ([f"{pl.pp} {pl.schedule.name} M={pl.microbatches}" + (f" V={pl.schedule.virtual}" if pl.schedule.virtual > 1 else ""),
+                     f"{pl.bubble:.0%}", _gb(pl.transfer_bytes)] if pl else ["-", "-", "-"])
+        row += [_gb(m["total"]), " + ".join(_gb(m[k]) for k in PIE), "yes" if p.fits else "[red]no[/]",
+                f"{p.time.step_s:.3g}", f"{p.time.tokens_per_s:,.0f}", f"{p.time.mfu:.0%}",
+                ", ".join(op.name for op in p.comm_bound) or "-"]
         if verified:
             comp = p.compiled
             row += ([_gb(comp["peak_memory_bytes"]), _pct(comp["error_percent"]["peak_memory"]),
                      _pct(comp["error_percent"]["collective_bytes"])] if comp else ["", "", ""])
+            if staged:
+                row.append(_pct(comp["error_percent"].get("stage_transfers")) if comp else "")
         table.add_row(*row)
     console.print(table)
+    first_staged = next((p for p in shown if p.pipeline), None)
+    if first_staged is not None:
+        print_stages(first_staged, console)
 
     best = plans[0]
     ops = Table(title=f"operators of --mesh_dim={best.mesh_dim}, per device per step "
@@ -155,6 +179,35 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     console.print(f"recommended: [bold]{train_command(job, best, model_flags)}[/]", highlight=False, soft_wrap=True)
 
 
+def print_stages(plan: Plan, console) -> None:
+    """The pipeline of one pp plan: its schedule, bubble, transfers and each stage's memory."""
+    from rich.table import Table
+
+    pl = plan.pipeline
+    s = pl.schedule
+    console.print(f"pipeline of {plan.shape.flags}: {s.name}, {s.pp} stages"
+                  + (f" × {s.virtual} virtual" if s.virtual > 1 else "")
+                  + f", {s.microbatches} microbatches, {s.clocks} clocks ({pl.forward_clocks} with a forward, "
+                  f"{pl.backward_clocks} with a backward); bubble {pl.bubble:.1%} with the predicted clock times "
+                  f"(the schedule's {s.bubble():.1%} at backward = 2 × forward; (p-1)/(m·v+p-1) = "
+                  f"{s.theoretical_bubble():.1%}); idle ranks compute on a trash slot, so the bubble costs "
+                  "compute time", highlight=False)
+    console.print(f"stage transfers: {pl.forward_clocks + pl.backward_clocks} messages of "
+                  f"{pl.slot_bytes / 1e6:.3g} MB per device per step ({pl.transfer_bytes / 1e9:.3g} GB), "
+                  f"{pl.transfer_s:.3g} s on {pl.link}; embedding and head: replicated on every stage, every "
+                  "rank runs the head in each backward clock", highlight=False)
+    table = Table(title=f"stages of {plan.shape.flags} (every rank allocates the busiest rank's stash: "
+                        f"{s.act_slots} + 1 trash slots)")
+    for col in ("rank", "layers", "in flight", "memory GB", "own stash GB"):
+        table.add_column(col, justify="left" if col == "layers" else "right")
+    worst = pl.worst.rank
+    for st in pl.stages:
+        layers = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in st.layers)
+        table.add_row(f"{st.rank}" + (" (limits)" if st.rank == worst else ""), layers, str(st.in_flight),
+                      _gb(st.memory_bytes), _gb(st.needs_bytes))
+    console.print(table)
+
+
 # --------------------------------------------------------------------------------------------- PNG
 
 
@@ -166,7 +219,8 @@ def write_png(path: str | Path, job: Job, hw: Hardware, plans: list[Plan], top: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     shown = plans[:top]
-    labels = [p.mesh_dim + ("" if p.fits else " (no fit)") for p in shown]
+    labels = [p.label + (f" {p.pipeline.schedule.name}" if p.pipeline else "") + ("" if p.fits else " (no fit)")
+              for p in shown]
     fig = Figure(figsize=(max(8, 0.7 * len(shown) + 4), 4.5), dpi=100)
     FigureCanvasAgg(fig)
     mem, step = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
@@ -183,12 +237,15 @@ def write_png(path: str | Path, job: Job, hw: Hardware, plans: list[Plan], top: 
     step.bar(labels, compute, label="compute", color="tab:green")
     step.bar(labels, [p.time.exposed_comm_s for p in shown], bottom=compute, label="exposed communication",
              color="tab:orange")
+    if any(p.pipeline for p in shown):  # the share of compute the pipeline bubble takes
+        bubble = [p.time.compute_s * p.pipeline.bubble if p.pipeline else 0.0 for p in shown]
+        step.bar(labels, bubble, color="none", edgecolor="black", hatch="//", linewidth=0.5, label="pipeline bubble")
     step.set_ylabel("predicted seconds per step")
     step.set_title("step time")
     step.legend(fontsize=7)
     for ax in (mem, step):
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
-        ax.set_xlabel("--mesh_dim (dp,fsdp,tp,sp)")
+        ax.set_xlabel("--mesh_dim (dp,fsdp,tp,sp)" + (", pp stages" if any(p.pipeline for p in shown) else ""))
     fig.suptitle(f"{job.cfg.num_params() / 1e9:.3g}B parameters, batch {job.batch_size} × {job.seq_len} on "
                  f"{job.n_devices} × {hw.name}")
     fig.tight_layout()

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, all_mesh_shapes
-from meshlm.plan import comms, cost, memory
+from meshlm.plan import comms, cost, memory, pipeline
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
+from meshlm.plan.pipeline import PipelinePlan
 
 # Headroom kept free on the device (allocator fragmentation, runtime buffers), as a fraction of HBM.
 HEADROOM = 0.05
@@ -29,11 +30,17 @@ class Plan:
     time: cost.StepTime
     fits: bool
     placement: dict[str, tuple[int, int]]  # per axis: (devices inside a fast domain, fast domains)
+    pipeline: PipelinePlan | None = None  # the schedule, stages and transfers when pp > 1
     compiled: dict | None = field(default=None)  # filled by meshlm.plan.verify
 
     @property
     def mesh_dim(self) -> str:
         return str(self.shape)
+
+    @property
+    def label(self) -> str:
+        """The mesh as people read it: `1,2,2,1`, or `pp=2 × 1,2,2,1` with pipeline stages."""
+        return label(self.shape)
 
     @property
     def collective_bytes(self) -> dict[str, float]:
@@ -51,37 +58,61 @@ def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     ops = cost.operator_table(job, shape, hw, collectives)
     time = cost.step_time(job, shape, hw, ops, collectives, pie.params)
     fits = pie.total <= hw.hbm_bytes * (1 - HEADROOM)
-    return Plan(shape, pie, collectives, ops, time, fits, comms.axis_split(shape, hw))
+    stages = None
+    if shape.pp > 1:
+        stages = pipeline.plan_pipeline(job, shape, pie)
+        stages.forward_clock_s, stages.backward_clock_s = pipeline.clock_seconds(job, shape, ops, hw)
+        transfers = [c for c in collectives if c.op == "pipeline" and c.kind == "collective-permute"]
+        stages.transfer_s = sum(comms.wire_seconds(c, shape, hw) for c in transfers)
+        split = comms.axis_split(shape, hw)["pp"]
+        stages.link = hw.slow_name if split[1] > 1 else hw.fast_name
+    return Plan(shape, pie, collectives, ops, time, fits, comms.axis_split(shape, hw), stages)
+
+
+def label(shape: MeshShape) -> str:
+    return str(shape) if shape.pp == 1 else f"pp={shape.pp} × {shape}"
 
 
 def _rank_key(plan: Plan):
     return (not plan.fits, plan.time.step_s, -plan.shape.fsdp, plan.memory.total)
 
 
-def candidate_shapes(job: Job, mesh_dim: MeshShape | None = None) -> tuple[list[MeshShape], dict[str, str]]:
-    """Meshes that can run the job, and why each other one cannot."""
-    shapes = [mesh_dim] if mesh_dim is not None else all_mesh_shapes(job.n_devices)
+def candidate_shapes(job: Job, mesh_dim: MeshShape | None = None,
+                     pps: tuple[int, ...] = (1,)) -> tuple[list[MeshShape], dict[str, str]]:
+    """Meshes that can run the job (with each pipeline size in `pps`), and why each other one cannot."""
+    if mesh_dim is not None:
+        shapes = [mesh_dim]
+    else:
+        shapes = [replace(s, pp=pp) for pp in pps if job.n_devices % pp == 0
+                  for s in all_mesh_shapes(job.n_devices // pp)]
     valid, rejected = [], {}
     for shape in shapes:
         problem = job.problem(shape)
         if problem:
-            rejected[str(shape)] = problem
+            rejected[label(shape)] = problem
         else:
             valid.append(shape)
     return valid, rejected
 
 
-def search(job: Job, hw: Hardware, mesh_dim: MeshShape | None = None) -> tuple[list[Plan], dict[str, str]]:
-    """Ranked plans (best first) and the rejected meshes with their reason.
+def auto_pps(job: Job) -> tuple[int, ...]:
+    """Pipeline sizes `--pp=auto` tries: 1 and every divisor of the devices that splits the layers."""
+    return (1, *pipeline.pp_candidates(job.n_devices, job.cfg.n_layers, job.pipeline.virtual_stages))
+
+
+def search(job: Job, hw: Hardware, mesh_dim: MeshShape | None = None,
+           pps: tuple[int, ...] = (1,)) -> tuple[list[Plan], dict[str, str]]:
+    """Ranked plans (best first) and the rejected meshes with their reason; `pps`: the pipeline sizes
+    to consider when no mesh is given.
 
     Raises UsageError naming the nearest change that works when no mesh can run the job or none fits.
     """
-    valid, rejected = candidate_shapes(job, mesh_dim)
+    valid, rejected = candidate_shapes(job, mesh_dim, pps)
     if not valid:
-        raise UsageError(_no_valid_mesh(job, rejected, mesh_dim))
+        raise UsageError(_no_valid_mesh(job, rejected, mesh_dim, pps))
     plans = sorted((evaluate(job, s, hw) for s in valid), key=_rank_key)
     if not plans[0].fits:
-        raise UsageError(_nothing_fits(job, hw, min(plans, key=lambda p: p.memory.total), mesh_dim))
+        raise UsageError(_nothing_fits(job, hw, min(plans, key=lambda p: p.memory.total), mesh_dim, pps))
     return plans, rejected
 
 
@@ -89,12 +120,17 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | None) -> str:
+def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | None, pps: tuple[int, ...]) -> str:
     if mesh_dim is not None:
-        others, _ = candidate_shapes(job)
-        hint = ("meshes that work: " + ", ".join(f"--mesh_dim={s}" for s in others[:3])) if others else \
+        others, _ = candidate_shapes(job, pps=(mesh_dim.pp,))
+        hint = ("meshes that work: " + ", ".join(s.flags for s in others[:3])) if others else \
             "no mesh of these devices works either"
-        return f"--mesh_dim={mesh_dim}: {rejected[str(mesh_dim)]}; {hint}"
+        return f"{mesh_dim.flags}: {rejected[label(mesh_dim)]}; {hint}"
+    if pps != (1,):
+        first = next(iter(rejected.items()))
+        which = f"--pp={pps[0]}" if len(pps) == 1 else "--pp=auto"
+        return (f"{which}: no mesh of {job.n_devices} devices can run this job (e.g. {first[0]}: {first[1]}); "
+                "change --microbatches, --batch_size or the devices")
     # Every mesh failed: the cheapest fix is usually a batch that covers the data axes.
     c = job.cfg
     model_parallel = max(math.gcd(job.n_devices, math.gcd(c.n_heads, math.gcd(c.n_kv_heads, math.gcd(c.mlp_dim, c.vocab_size)))), 1)
@@ -103,23 +139,28 @@ def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | Non
             f"raise --batch_size to a multiple of {need}, or use fewer --devices")
 
 
-def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None) -> str:
+def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None, pps: tuple[int, ...] = (1,)) -> str:
     budget = hw.hbm_bytes * (1 - HEADROOM)
-    head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan (--mesh_dim={best.mesh_dim}) "
+    head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}) "
             f"needs {_gb(best.memory.total)} per device")
     tries = []
     if job.cfg.remat != "full":
-        tries.append(("--remat=full", replace(job, cfg=job.cfg.replace(remat="full"))))
+        tries.append(("--remat=full", replace(job, cfg=job.cfg.replace(remat="full")), pps))
     for accum in (2, 4, 8, 16):
-        if job.batch_size % accum == 0 and accum > job.grad_accum:
-            tries.append((f"--grad_accum={accum}", replace(job, grad_accum=accum)))
+        if job.batch_size % accum == 0 and accum > job.grad_accum and pps == (1,):
+            tries.append((f"--grad_accum={accum}", replace(job, grad_accum=accum), pps))
+    if mesh_dim is None and job.grad_accum == 1:  # pipeline stages, when the plan did not consider them
+        tries += [(f"--pp={pp}", job, (pp,)) for pp in auto_pps(job)[1:] if pp not in pps]
     for factor in (2, 4, 8, 16):
-        tries.append((f"--devices={job.n_devices * factor}", replace(job, n_devices=job.n_devices * factor)))
-    for flag, trial in tries:
+        tries.append((f"--devices={job.n_devices * factor}", replace(job, n_devices=job.n_devices * factor), pps))
+    for flag, trial, trial_pps in tries:
         shapes = [mesh_dim] if mesh_dim is not None and trial.n_devices == job.n_devices else None
-        valid = shapes or candidate_shapes(trial)[0]
+        valid = shapes or candidate_shapes(trial, pps=trial_pps)[0]
         valid = [s for s in valid if trial.problem(s) is None]
         fitting = [s for s in valid if memory.estimate(trial, s).total <= budget]
         if fitting:
+            if flag.startswith("--pp="):
+                smallest = min(fitting, key=lambda s: memory.estimate(trial, s).total)
+                flag = f"{flag} (e.g. {smallest.flags})"
             return f"{head}; nearest change that fits: {flag}"
     return f"{head}; even 16x the devices with --remat=full does not fit: use a smaller model or shorter --seq_len"

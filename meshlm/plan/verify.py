@@ -61,6 +61,11 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
 
 def compile_step(job: Job, shape: MeshShape, devices: list[Any]):
     """The compiled train step of this job on this mesh; nothing is allocated."""
+    return _compile(job, shape, devices)[0]
+
+
+def _compile(job: Job, shape: MeshShape, devices: list[Any]):
+    """(compiled train step, its placement); with pp > 1 the pipelined step `meshlm train --pp` runs."""
     import jax
     import jax.numpy as jnp
 
@@ -78,8 +83,22 @@ def compile_step(job: Job, shape: MeshShape, devices: list[Any]):
     rows = sharding.batch_sharding(mesh, placement.strategy)
     batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=rows) for k in BATCH_KEYS}
-    step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum)
-    return step.lower(abstract_state(placement, optimizer), batch).compile()
+    pipeline = None
+    if shape.pp > 1:
+        from meshlm.plan.pipeline import schedule_of
+
+        pipeline = schedule_of(job.pipeline, shape.pp)
+    step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum, pipeline)
+    return step.lower(abstract_state(placement, optimizer), batch).compile(), placement
+
+
+def stage_transfer_bytes(compiled, placement) -> int:
+    """Bytes per device per step of the compiled step's collective-permutes between pp ranks (the ring
+    attention's permutes run inside a stage, over sp, and are left out)."""
+    from meshlm.explain.analysis import collectives
+
+    return sum(c.total_bytes for c in collectives(compiled.as_text(), placement)
+               if c.kind == "collective-permute" and "pp" in c.axes)
 
 
 def measure(compiled) -> dict:
@@ -104,13 +123,18 @@ def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
     devices, where = target_devices(job.n_devices, hardware)
     for plan in plans[:k]:
         t0 = time.perf_counter()
-        got = measure(compile_step(job, plan.shape, devices))
+        compiled, placement = _compile(job, plan.shape, devices)
+        got = measure(compiled)
         got["compile_seconds"] = round(time.perf_counter() - t0, 2)
         predicted_coll = plan.collective_bytes["total"]
         got["error_percent"] = {
             "peak_memory": error_percent(plan.memory.total, got["peak_memory_bytes"]),
             "collective_bytes": error_percent(predicted_coll, got["collective_bytes"]["total"]),
         }
+        if plan.pipeline is not None:
+            got["stage_transfer_bytes"] = stage_transfer_bytes(compiled, placement)
+            got["error_percent"]["stage_transfers"] = error_percent(plan.pipeline.transfer_bytes,
+                                                                    got["stage_transfer_bytes"])
         got["compiled_for"] = where
         plan.compiled = got
     return where

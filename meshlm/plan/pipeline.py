@@ -1,0 +1,407 @@
+"""Pipeline stages (`--pp`) in the plan: the schedule's own numbers, memory per stage, the bubble and
+the stage-to-stage transfers.
+
+What a pipelined train step (`meshlm.models.pipelined`, `meshlm.ops.pipeline`) really does, and so
+what is modelled here:
+
+- The schedule is the static table `meshlm.ops.pipeline.build_schedule` makes; its clocks, its
+  stash and cotangent buffers (`act_slots`, `cot_slots`) and its bubble are read from the table, not
+  from a second formula.
+- Stage k of S = pp·V holds layers k·L/S .. (k+1)·L/S − 1; rank r holds stages r, r + pp, ... so
+  L/pp layers' parameters, gradients and optimizer moments (exact, `meshlm.plan.state_bytes`: the
+  `layers` axis maps to pp). The embedding table, the final norm and the output head are replicated
+  over pp: every rank holds them, with their float32 gradient sums.
+- Every rank runs the same program: the first stage's embedding runs (recomputed) in every stage's
+  forward and backward clock, and the last stage's head and loss in every backward clock, on a trash
+  slot where the rank has nothing to do. So the first and last stages' extra work is paid by every
+  rank, in memory (the logits) and in time; per stage, only what a rank keeps in flight differs,
+  and since the buffers have one shape on every rank, each allocates the busiest rank's stash.
+- A microbatch is B/M sequences, and it enters the pipeline whole on every device of a stage: dp,
+  fsdp and sp shard the state but do not split the pipelined rows (tp splits heads, MLP width and
+  vocabulary; XLA splits the carried activations' model dimension over fsdp × sp).
+- Each clock, a rank that runs a forward sends its output [B/M, T, E] to the next rank, and one
+  that runs a backward sends its input's cotangent to the previous one (`lax.ppermute` over pp,
+  ring). Every rank sends in such a clock, busy or not (trash slots travel too), so a step moves
+  (forward clocks + backward clocks) × B/M·T·E/(fsdp·sp) × dtype bytes per device.
+
+Memory per device (the pie): parameters, gradients and optimizer states exact; activations are the
+stash (A + 1 slots of a microbatch's stage input, the last a trash slot), the cotangent buffer
+(C + 1 slots) and the working set one stage's backward keeps (all its layers' activations for one
+microbatch under `--remat=none`, per the policy otherwise); temporaries are the float32 gradient
+sums carried through the clocks, the logits, the batch (split into microbatches, whole on every
+device), one layer's working set and the fsdp-gathered weights. Like `meshlm.plan.memory`, each term
+has a coefficient fitted to XLA:CPU's buffer assignment (`COEFFS`; see docs/plan.md for the cases
+and the errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from meshlm.errors import UsageError
+from meshlm.mesh import MeshShape
+from meshlm.ops.pipeline import SCHEDULES, Schedule, build_schedule, check
+
+# Buffers of each size live at the compiled peak of a pipelined step, fitted (a linear program that
+# minimises the worst relative error of the total, the stash held at 1) to XLA:CPU over the cases in
+# docs/plan.md.
+#   acc_layers   the float32 gradient sums of the rank's layers (the clock loop's carry)
+#   acc_tables   the float32 gradient sums of the embedding, final norm and head (replicated over pp)
+#   scan         the stage's layer-stacked gradient of one backward clock (stages of 2 layers or more)
+#   stage_slice  one virtual stage's weights sliced out of the rank's stages (V > 1)
+#   stash        (act_slots + 1) stage inputs: the schedule's buffer, every slot allocated
+#   stream       one stage input [B/M, T, E] on this device: the residual stream's buffers
+#   stage        what one stage's backward keeps of its layers for one microbatch (per --remat)
+#   layer        one layer's working set (policy none's activations) for one microbatch
+#   logits       float32 [B/M, T, V/tp]: the head's logits or their gradient
+#   tables       the embedding table or head as one stage gathers it (whole over fsdp·sp), float32
+#   weights      one stage's fsdp-gathered layer weights (fsdp·sp > 1)
+#   batch        the five int32/float32 fields of the batch, split into microbatches
+COEFFS = {"acc_layers": 1.62, "acc_tables": 1.26, "scan": 1.26, "stage_slice": 1.13, "stash": 1.0, "stream": 15.45,
+          "stage": 0.41, "layer": 0.54, "logits": 1.12, "tables": 0.0, "weights": 0.0, "batch": 0.16}
+ACTIVATION_TERMS = ("stash", "stream", "stage")
+
+
+@dataclass(frozen=True)
+class PipelineFlags:
+    """`--pipeline_schedule`, `--microbatches` (None: 2·pp, as `meshlm train`), `--virtual_stages`."""
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+
+    def microbatches_for(self, pp: int) -> int:
+        return self.microbatches or 2 * pp
+
+    def flags(self, pp: int) -> list[str]:
+        """The train flags for this pipeline on pp stages (defaults left out)."""
+        out = [f"--pp={pp}"]
+        if self.schedule != "1f1b":
+            out.append(f"--pipeline_schedule={self.schedule}")
+        if self.microbatches is not None:
+            out.append(f"--microbatches={self.microbatches}")
+        if self.virtual_stages != 1:
+            out.append(f"--virtual_stages={self.virtual_stages}")
+        return out
+
+
+def check_flags(flags: PipelineFlags, pp: int, n_layers: int | None = None) -> None:
+    """`meshlm train`'s checks of the pipeline flags (one UsageError line)."""
+    check(flags.schedule, pp, flags.microbatches_for(pp), flags.virtual_stages, n_layers)
+
+
+def problem(flags: PipelineFlags, shape: MeshShape, n_layers: int, batch_size: int, grad_accum: int) -> str | None:
+    """Why this pipelined mesh cannot run the job (`meshlm train`'s checks), or None."""
+    M = flags.microbatches_for(shape.pp)
+    try:
+        check_flags(flags, shape.pp, n_layers)
+    except UsageError as e:
+        return str(e)
+    if grad_accum > 1:
+        return "--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum"
+    if batch_size % (M * shape.data):
+        return (f"batch {batch_size} does not split into {M} microbatches of rows divisible by dp×fsdp = "
+                f"{shape.data}; use a multiple of {M * shape.data}")
+    return None
+
+
+@lru_cache(maxsize=128)
+def _schedule(name: str, pp: int, M: int, V: int) -> Schedule:
+    return build_schedule(name, pp, M, V)
+
+
+def schedule_of(flags: PipelineFlags, pp: int) -> Schedule:
+    """The static schedule table `meshlm train` runs for these flags on pp stages."""
+    return _schedule(flags.schedule, pp, flags.microbatches_for(pp), flags.virtual_stages)
+
+
+def in_flight_per_rank(s: Schedule) -> list[int]:
+    """Stash slots each rank fills at its busiest: the distinct slots the table delivers into on that
+    rank (the table allocates a new slot only when none is free, so this is the rank's peak)."""
+    return [len({int(x) for x in s.recv_act[:, r]} - {s.act_slots}) for r in range(s.pp)]
+
+
+def clock_counts(s: Schedule) -> tuple[int, int]:
+    """(clocks with a forward, clocks with a backward): every rank runs, and sends, in each."""
+    kinds = [int(k) for k in s.kinds]
+    return sum(1 for k in kinds if k & 1), sum(1 for k in kinds if k & 2)
+
+
+def stage_layers(n_layers: int, s: Schedule, rank: int) -> list[tuple[int, int]]:
+    """[first, last] layer of each stage this rank runs."""
+    per = n_layers // (s.pp * s.virtual)
+    return [((v * s.pp + rank) * per, (v * s.pp + rank + 1) * per - 1) for v in range(s.virtual)]
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One device's view of a pipelined step: rows per microbatch and the shards it works on."""
+
+    rows: int  # sequences per microbatch (all devices of a stage together)
+    seq_len: int
+    d_model: int
+    split: int  # dp × fsdp × sp: how many ways a stage's devices split a microbatch (rows, then length)
+    layers: int  # layers per stage, L / (pp·V)
+    act_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one microbatch (before the split over the stage's devices)."""
+        return self.rows * self.seq_len
+
+    @property
+    def slot_bytes(self) -> int:
+        """One microbatch's stage input (or its cotangent) on one device: what one ppermute sends."""
+        return self.tokens * self.d_model * self.act_bytes // self.split
+
+
+def stage_shape(job, shape: MeshShape) -> StageShape:
+    s = schedule_of(job.pipeline, shape.pp)
+    return StageShape(job.batch_size // s.microbatches, job.seq_len, job.cfg.d_model, shape.data * shape.sp,
+                      job.cfg.n_layers // (shape.pp * s.virtual), job.act_bytes)
+
+
+def in_stage_local(job, shape: MeshShape):
+    """`Local` for per-token counts inside a stage: tp splits heads and MLP; attention is not a ring."""
+    return job.local(dataclasses.replace(shape, sp=1, pp=1))
+
+
+def memory_terms(job, shape: MeshShape) -> dict[str, int]:
+    """Sizes in bytes per device of each `COEFFS` term on this pipelined mesh."""
+    from meshlm.plan.memory import saved_per_token_layer
+    from meshlm.plan.state_bytes import _local_elements, state_bytes
+
+    s = schedule_of(job.pipeline, shape.pp)
+    st = stage_shape(job, shape)
+    loc = in_stage_local(job, shape)
+    state = state_bytes(job.cfg)
+    sizes = shape.as_dict()
+    stacked = [leaf for leaf in state.params if leaf.logical and "layers" in leaf.logical]
+    layers = 4 * sum(_local_elements(leaf, sizes, state.strategy) for leaf in stacked)
+    tables = 4 * (state.params_bytes(shape) // job.param_bytes) - layers
+    a, n, split = job.act_bytes, st.tokens, st.split
+    gathered = shape.fsdp * shape.sp > 1
+    return {
+        "acc_layers": layers,
+        "acc_tables": tables,
+        "scan": layers if st.layers > 1 else 0,
+        "stage_slice": layers // s.virtual if s.virtual > 1 else 0,
+        "stash": (s.act_slots + 1) * st.slot_bytes,
+        "stream": st.slot_bytes,
+        "stage": st.layers * n * saved_per_token_layer(loc, job.cfg.remat) * a // split,
+        "layer": n * saved_per_token_layer(loc, "none") * a // split,
+        "logits": n * loc.vocab * 4 // split,
+        "tables": loc.w_table * 4 if gathered else 0,
+        "weights": st.layers * loc.w_layer * job.param_bytes if gathered else 0,
+        "batch": 5 * 4 * job.batch_size * job.seq_len // split,
+    }
+
+
+def estimate(job, shape: MeshShape):
+    """The memory pie of one device (every rank allocates the same buffers) on a pipelined mesh."""
+    from meshlm.plan.memory import BATCH_FIELDS, MemoryPie
+    from meshlm.plan.state_bytes import state_bytes
+
+    state = state_bytes(job.cfg)
+    params, grads, opt = state.params_bytes(shape), state.grads_bytes(shape), state.optimizer_bytes(shape)
+    live = {k: int(COEFFS[k] * v) for k, v in memory_terms(job, shape).items()}
+    activations = sum(live[k] for k in ACTIVATION_TERMS)
+    detail = {k: v for k, v in live.items() if k not in ACTIVATION_TERMS and v}
+    detail["gradients (counted in the pie)"] = -grads
+    detail["batch (argument)"] = BATCH_FIELDS * 4 * job.batch_size * job.seq_len // (shape.data * shape.sp)
+    return MemoryPie(params, grads, opt, activations, max(0, sum(detail.values())), detail)
+
+
+# -------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pp rank: the layers it holds, what it keeps in flight, and its memory."""
+
+    rank: int
+    layers: list[tuple[int, int]]
+    in_flight: int  # stash slots this rank fills at its busiest
+    memory_bytes: int  # what the rank allocates (the same on every rank: one program)
+    needs_bytes: int  # what it would need with a stash of its own in-flight size
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "layers": [list(r) for r in self.layers], "in_flight_microbatches": self.in_flight,
+                "memory_bytes": self.memory_bytes, "memory_bytes_own_stash": self.needs_bytes}
+
+
+@dataclass
+class PipelinePlan:
+    """The pipeline figures of one pp plan."""
+
+    schedule: Schedule
+    stages: list[Stage]
+    slot_bytes: int
+    forward_clocks: int
+    backward_clocks: int
+    forward_clock_s: float = 0.0  # predicted seconds of one clock's forward work on every rank
+    backward_clock_s: float = 0.0
+    transfer_s: float = 0.0  # per step, on the link between stages
+    link: str = ""
+
+    @property
+    def pp(self) -> int:
+        return self.schedule.pp
+
+    @property
+    def microbatches(self) -> int:
+        return self.schedule.microbatches
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes each device sends to its neighbour stage per step (activations and cotangents)."""
+        return (self.forward_clocks + self.backward_clocks) * self.slot_bytes
+
+    @property
+    def bubble(self) -> float:
+        """The schedule's idle share with the predicted forward and backward clock times."""
+        v = self.schedule.virtual
+        if self.forward_clock_s <= 0 or self.backward_clock_s <= 0:
+            return self.schedule.bubble()
+        return self.schedule.bubble(v * self.forward_clock_s, v * self.backward_clock_s)
+
+    @property
+    def worst(self) -> Stage:
+        return max(self.stages, key=lambda st: (st.needs_bytes, -st.rank))
+
+    def as_dict(self) -> dict:
+        s = self.schedule
+        return {
+            "pp": s.pp, "schedule": s.name, "microbatches": s.microbatches, "virtual_stages": s.virtual,
+            "clocks": s.clocks, "forward_clocks": self.forward_clocks, "backward_clocks": self.backward_clocks,
+            "bubble": self.bubble, "bubble_schedule": s.bubble(), "bubble_theoretical": s.theoretical_bubble(),
+            "stash_slots": s.act_slots, "cotangent_slots": s.cot_slots,
+            "transfer_bytes_per_device_per_step": self.transfer_bytes,
+            "transfer_bytes_per_message": self.slot_bytes, "transfer_seconds": self.transfer_s,
+            "transfer_link": self.link, "worst_stage": self.worst.rank,
+            "stages": [st.as_dict() for st in self.stages],
+            "embedding_and_head": "replicated on every stage; every rank runs the head in each backward clock",
+        }
+
+
+def plan_pipeline(job, shape: MeshShape, pie) -> PipelinePlan:
+    """Schedule, per-stage figures and transfers of a pp plan (times are filled by the cost model)."""
+    s = schedule_of(job.pipeline, shape.pp)
+    st = stage_shape(job, shape)
+    fwd, bwd = clock_counts(s)
+    stash_each = int(COEFFS["stash"] * st.slot_bytes)
+    stages = []
+    for r, flight in enumerate(in_flight_per_rank(s)):
+        own = pie.total - (s.act_slots - flight) * stash_each
+        stages.append(Stage(r, stage_layers(job.cfg.n_layers, s, r), flight, pie.total, own))
+    return PipelinePlan(s, stages, st.slot_bytes, fwd, bwd)
+
+
+# ------------------------------------------------------------------------------ collectives, time
+
+
+def collectives(job, shape: MeshShape) -> list:
+    """The collectives of one pipelined step, per device.
+
+    Exact: the stage transfers (one ppermute of a stage input per forward clock, one of a cotangent
+    per backward clock) and the sums over pp of the replicated tables' float32 gradients and the loss.
+    Estimated, per clock: inside a stage every rank runs its layers on one whole microbatch each clock,
+    so tp's all-reduces repeat per forward clock (attention out, MLP down, the embedding lookup) and per
+    backward clock (the recomputed forward's, the input gradients of q, k, v, gate and up, the head's);
+    with fsdp·sp > 1 each clock all-gathers the stage's layer weights (twice in a backward clock: the
+    recomputation and the backward) and reduce-scatters their gradients in each backward clock.
+    """
+    from meshlm.plan.comms import Collectives
+
+    s = schedule_of(job.pipeline, shape.pp)
+    st = stage_shape(job, shape)
+    loc = in_stage_local(job, shape)
+    fwd, bwd = clock_counts(s)
+    a, p, n, E, Ls = job.act_bytes, job.param_bytes, st.tokens, job.cfg.d_model, st.layers
+    out = Collectives(shape)
+    add = out.add
+
+    add("collective-permute", ("pp",), st.slot_bytes, fwd, "pipeline", "pp: stage input to the next stage", False)
+    add("collective-permute", ("pp",), st.slot_bytes, bwd, "pipeline", "pp: cotangent to the previous stage", False)
+    terms = memory_terms(job, shape)
+    add("all-reduce", ("pp",), terms["acc_tables"] + 4, 1, "pipeline", "pp: sum the tables' gradients and the loss")
+    stream = n * E * a
+    recompute = 1 if job.cfg.remat != "none" else 0
+    add("all-reduce", ("tp",), stream, Ls * fwd, "attn.out", "tp: sum partial outputs (forward clocks)", False)
+    add("all-reduce", ("tp",), stream, Ls * bwd * (1 + recompute), "attn.out", "tp: recomputed in backward clocks", False)
+    add("all-reduce", ("tp",), stream, Ls * (fwd + bwd * (1 + recompute)), "mlp.down", "tp: sum partial outputs", False)
+    add("all-reduce", ("tp",), 3 * stream, Ls * bwd, "attn.qkv", "tp: input gradients of q, k, v", False)
+    add("all-reduce", ("tp",), 2 * stream, Ls * bwd, "mlp.in", "tp: input gradients of gate, up", False)
+    add("all-reduce", ("tp",), n * E * a, fwd + 2 * bwd, "embed", "tp: embedding lookup from vocab shards", False)
+    add("all-reduce", ("tp",), stream, bwd, "lm_head", "tp: input gradient of the head (every backward clock)", False)
+    add("all-reduce", ("tp",), 3 * n * 4, bwd, "loss", "tp: softmax statistics over vocab shards", False)
+    if shape.fsdp * shape.sp > 1:
+        F = ("fsdp", "sp")
+        for op, w in (("attn.qkv", loc.w_qkv), ("attn.out", loc.w_out), ("mlp.in", loc.w_mlp_in),
+                      ("mlp.down", loc.w_mlp_out)):
+            add("all-gather", F, w * p, Ls * (fwd + 2 * bwd), op, "fsdp: gather the stage's weights each clock")
+            add("reduce-scatter", F, w * p, Ls * bwd, op, "fsdp: reduce-scatter weight gradients each backward clock")
+        add("all-gather", F, loc.w_table * p, 2, "embed", "fsdp: gather the embedding table and head")
+    return list(out)
+
+
+def operator_flops(job, shape: MeshShape) -> dict[str, float]:
+    """FLOPs per device per step of each operator of a pipelined step.
+
+    Each clock every rank runs its stage (L/(pp·V) layers) on one whole microbatch; forward clocks
+    run it once, backward clocks three times (the recomputed forward and the backward), four with a
+    `--remat` policy inside the stage; each backward clock also runs the head (forward and backward)
+    on every rank. The weight matmuls are split over tp and over fsdp·sp (the model dimension of the
+    stage's activations), attention over tp only; dp does not split the work."""
+    from meshlm.plan.cost import _matmul_flops
+
+    s = schedule_of(job.pipeline, shape.pp)
+    st = stage_shape(job, shape)
+    fwd, bwd = clock_counts(s)
+    loc = in_stage_local(job, shape)
+    per_token = {k: v / loc.tokens for k, v in _matmul_flops(loc).items()}  # per token of this device's shard
+    n, F = st.tokens, shape.fsdp * shape.sp
+    back = 3 + (1 if job.cfg.remat != "none" else 0)
+    out = {}
+    for name, f in per_token.items():
+        split = 1 if name == "attention" else F
+        out[name] = f * n / split * st.layers * (fwd + back * bwd)
+    out["lm_head"] = 3 * 2 * n * loc.w_table / F * bwd
+    return out
+
+
+def elementwise_bytes(job, shape: MeshShape) -> float:
+    """Bytes the non-matmul work of a pipelined step streams per device: one stage's activations on a
+    microbatch once per forward clock and three times per backward clock (every rank, every clock)."""
+    from meshlm.plan.memory import saved_per_token_layer
+
+    s = schedule_of(job.pipeline, shape.pp)
+    st = stage_shape(job, shape)
+    fwd, bwd = clock_counts(s)
+    per_clock = st.layers * st.tokens * saved_per_token_layer(in_stage_local(job, shape), "none") * job.act_bytes
+    return per_clock * (fwd + 3 * bwd)
+
+
+def clock_seconds(job, shape: MeshShape, ops: list, hw) -> tuple[float, float]:
+    """(forward clock, backward clock) compute seconds on every rank, from the operator table's step
+    totals split over the clocks in proportion to their work."""
+    s = schedule_of(job.pipeline, shape.pp)
+    fwd, bwd = clock_counts(s)
+    back = 3 + (1 if job.cfg.remat != "none" else 0)
+    layers = sum(op.compute_s for op in ops if op.name not in ("lm_head", "pipeline"))
+    head = sum(op.compute_s for op in ops if op.name == "lm_head")
+    share = elementwise_bytes(job, shape) / hw.hbm_bandwidth
+    unit = (layers + share) / (fwd + back * bwd)  # one stage forward on one microbatch
+    return unit, back * unit + head / max(bwd, 1)
+
+
+def pp_candidates(n_devices: int, n_layers: int, virtual: int = 1) -> list[int]:
+    """Pipeline sizes worth trying: divisors of the device count that split the layers evenly."""
+    return [p for p in range(2, n_devices + 1) if n_devices % p == 0 and n_layers % (p * virtual) == 0]
+
+
+__all__ = ["PipelineFlags", "PipelinePlan", "SCHEDULES", "check_flags", "estimate", "memory_terms",
+           "plan_pipeline", "pp_candidates", "problem", "schedule_of", "in_flight_per_rank", "math"]
