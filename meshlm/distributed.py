@@ -271,7 +271,8 @@ def supervise(argv: list[str], cluster: Cluster) -> int:
             tail.append(line)
             said = said or line.startswith("error: ")
             crashing = crashing or bool(re.match(r"^[EF]\d{4} ", line))
-            if not (crashing or _GLOG.match(line) or line.startswith("[Gloo]")):
+            # The child's own one-line error always passes, even after the runtime began to log a crash.
+            if line.startswith("error: ") or not (crashing or _GLOG.match(line) or line.startswith("[Gloo]")):
                 sys.stderr.write(line)
         rc = proc.wait()
     finally:
