@@ -182,7 +182,17 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     spec = logical_to_spec(logical, active.strategy.activations, active.mesh, active.strategy.shared)
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:  # inside a shard_map (pipeline stages): its mesh, auto axes only
+        manual = set(context.manual_axes)
+        spec = P(*(_without(entry, manual) for entry in spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
+
+
+def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
+    kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def batch_sharding(mesh: Mesh, strategy: Strategy = DEFAULT, ndim: int = 2) -> NamedSharding:

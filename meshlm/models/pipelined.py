@@ -82,18 +82,21 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
         x = nnx.merge(norm_def, hp["final_norm"])(x)
         w = hp["embed"].T if cfg.tie_embeddings else hp["lm_head"]
         logits = jnp.einsum("bte,ev->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, s["targets"])
+        logits = sharding.constrain(logits, ("batch", "length", "vocab"))
+        # The label's logit by a one-hot product, not a gather: XLA cannot partition a gather over a
+        # vocab split across tp with rows split across the data axes inside the pp shard_map.
+        picked = jnp.sum(logits * jax.nn.one_hot(s["targets"], logits.shape[-1], dtype=logits.dtype), axis=-1)
+        nll = jax.nn.logsumexp(logits, axis=-1) - picked
         return jnp.sum(nll * s["loss_mask"].astype(jnp.float32)) / count
 
     head = {"final_norm": params["final_norm"]}
     head.update({"embed": params["embed"]} if cfg.tie_embeddings else {"lm_head": params["lm_head"]})
-    # XLA's partitioner cannot yet take inputs split over the automatic axes into a shard_map that is
-    # manual over pp only: hand them over whole (the stages' own constraints split the work again).
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    side = {k: jax.lax.with_sharding_constraint(v, whole) for k, v in mb.items()}
+    with sharding.activate(mesh, placement.strategy):  # microbatch rows over the data axes, length over sp
+        side = {k: sharding.constrain(v, (None, "batch", "length")) for k, v in mb.items()}
     staged = to_stages(params["layers"], schedule.pp, schedule.virtual)
-    loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(first_fn, stage_fn, head_fn, params["embed"], staged,
-                                                                head, side, schedule, mesh)
+    with sharding.activate(mesh, placement.strategy):
+        loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(first_fn, stage_fn, head_fn, params["embed"], staged,
+                                                                    head, side, schedule, mesh)
     grads = {"embed": g_embed + g_head.get("embed", 0.0), "layers": from_stages(g_staged),
              "final_norm": g_head["final_norm"]}
     if not cfg.tie_embeddings:

@@ -1,6 +1,7 @@
 """`meshlm train --pp`: the losses of the run without a pipeline, bounded memory with 1F1B, and
 checkpoints that move between pipeline sizes."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def plain(tmp_path_factory):
 @pytest.mark.parametrize("flags", [
     dict(pp=2, mesh_dim="1,1,4,1", pipeline_schedule="gpipe"),
     dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="1f1b", microbatches=4),
+    dict(pp=2, mesh_dim="2,1,2,1", pipeline_schedule="1f1b", microbatches=2),
     dict(pp=2, mesh_dim="1,1,2,2", pipeline_schedule="interleaved", virtual_stages=2, microbatches=4),
     dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="1f1b", microbatches=4),
     dict(pp=4, mesh_dim="1,1,2,1", pipeline_schedule="gpipe", microbatches=8),
@@ -53,16 +55,22 @@ def test_checkpoint_saved_with_pp_2_continues_with_pp_1(plain, tmp_path):
     np.testing.assert_allclose(got[3], plain[3], rtol=1e-5)
 
 
-def temp_bytes(schedule_name: str, M: int) -> int:
-    """Compiled per-device temporary memory of the pp=4 train step, 2 rows per microbatch."""
+def compiled(schedule_name: str, M: int, pp: int = 4, mesh_dim: str = "1,1,1,1", rows: int = 2):
+    """The compiled train step on pp × mesh_dim simulated devices, `rows` rows per microbatch."""
     cfg = resolve_model("test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4",
                                  "mlp_dim": "256"}).replace(dtype="float32")
-    mesh = build_mesh(parse_mesh_dim("1,1,1,1", 4, pp=4), jax.devices()[:4])
+    n = pp * int(np.prod([int(a) for a in mesh_dim.split(",")]))
+    mesh = build_mesh(parse_mesh_dim(mesh_dim, n, pp=pp), jax.devices()[:n])
     placement = place(cfg, mesh)
     optimizer = make_optimizer(OptimizerConfig())
-    step = make_train_step(placement, optimizer, pipeline=build_schedule(schedule_name, 4, M))
-    batch = {k: jax.ShapeDtypeStruct((2 * M, 64), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
-    return step.lower(abstract_state(placement, optimizer), batch).compile().memory_analysis().temp_size_in_bytes
+    step = make_train_step(placement, optimizer, pipeline=build_schedule(schedule_name, pp, M))
+    batch = {k: jax.ShapeDtypeStruct((rows * M, 64), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
+    return step.lower(abstract_state(placement, optimizer), batch).compile()
+
+
+def temp_bytes(schedule_name: str, M: int) -> int:
+    """Compiled per-device temporary memory of the pp=4 train step, 2 rows per microbatch."""
+    return compiled(schedule_name, M).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
@@ -71,6 +79,20 @@ def test_1f1b_memory_stays_flat_as_microbatches_double_and_gpipe_grows():
     g8, g16 = temp_bytes("gpipe", 8), temp_bytes("gpipe", 16)
     assert f16 <= 1.10 * f8, (f8, f16)  # 1F1B: the stash holds at most 2·pp microbatches, whatever M is
     assert g16 >= 1.05 * g8 and g16 - g8 > 10 * max(f16 - f8, 1), (g8, g16, f8, f16)  # GPipe: all M of them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_dim", ["4,1,1,1", "1,2,2,1", "1,1,1,4"])
+def test_the_other_axes_split_each_stage_s_work(mesh_dim):
+    """Within a stage, dp/fsdp split the microbatch rows, sp the sequence and tp the heads: a device
+    on a 4-device stage does about a quarter of the arithmetic of a 1-device stage."""
+    alone, shared = stage_flops("1,1,1,1"), stage_flops(mesh_dim)
+    assert shared <= 0.3 * alone, (mesh_dim, shared / alone)
+
+
+@functools.cache
+def stage_flops(mesh_dim: str) -> float:
+    return compiled("1f1b", 4, pp=2, mesh_dim=mesh_dim, rows=4).cost_analysis()["flops"]
 
 
 @pytest.mark.parametrize("flags, words", [
