@@ -131,8 +131,9 @@ def _first_group(rest: str, n: int) -> list[int] | None:
             ids = ids.transpose([int(d) for d in m.group(3).split(",")]) if m.group(3) else ids
         ids = ids.reshape([int(s) for _, s in names])
         return ids[tuple(slice(None) if name in keep else 0 for name, _ in names)].ravel().tolist()
-    if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", rest):
-        return [int(m.group(1)), int(m.group(2))]
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest):
+        pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        return list(next((p for p in pairs if p[0] != p[1]), pairs[0] if pairs else ()))  # a device that moves
     return None
 
 

@@ -200,8 +200,8 @@ def _print_stages(console, pipe: dict) -> None:
                   "stage's; the tables' gradients are summed over pp (the 'sum over stages' all-reduce).", highlight=False)
     if s["virtual_stages"] > 1:
         console.print(f"With virtual stages a rank runs other layers than it stores: every step the stored layers move "
-                      f"to their stages and the gradients back (all-to-all over pp, {pipe['transfers']['relayout_bytes']:,} "
-                      "B per device: 'layers to virtual stages').", highlight=False)
+                      f"to their stages and the gradients back ({pipe['transfers']['relayout_bytes']:,} B per device over pp: "
+                      "the collectives marked 'layers to virtual stages').", highlight=False)
 
 
 def _print_stage_memory(console, pipe: dict) -> None:

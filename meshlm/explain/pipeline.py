@@ -180,8 +180,8 @@ def role(row: CollectiveRow) -> str:
         return ""
     if row.kind == "collective-permute" and row.where.endswith("ppermute"):
         return "stage transfer"
-    if row.kind == "all-to-all":
-        return "layers to virtual stages"
+    if row.kind in ("all-to-all", "collective-permute") and row.where.endswith(("reshape", "transpose")):
+        return "layers to virtual stages"  # the stored [L] stack cut into interleaved [pp, V] stages, and back
     if row.kind == "all-reduce" and "psum" in row.where:
         return "sum over stages"
     return "over pp"

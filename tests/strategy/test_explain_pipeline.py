@@ -66,8 +66,9 @@ def test_bubble_and_picture_are_the_schedule_tables(case):
 
 def test_transfers_match_the_compiled_collective_permutes(case):
     x, s = case["report"]["pipeline"]["transfers"], case["schedule"]
-    permutes = [c for c in parse_collectives(case["step"].as_text()) if c.kind == "collective-permute" and c.group_size > 1]
-    assert x["compiled"]["bytes"] == sum(c.total_bytes for c in permutes) > 0  # all of them are stage transfers
+    permutes = [c for c in parse_collectives(case["step"].as_text())
+                if c.kind == "collective-permute" and c.op_name.endswith("/ppermute")]  # the pipeline's own
+    assert x["compiled"]["bytes"] == sum(c.total_bytes for c in permutes) > 0
     assert x["compiled"]["count"] == sum(c.count for c in permutes)
     clocks = int(np.count_nonzero(s.kinds & FWD)) + int(np.count_nonzero(s.kinds & BWD))
     assert x["expected"]["count"] == clocks == x["compiled"]["count"]
@@ -125,3 +126,23 @@ def test_bad_pipeline_flags_are_one_line(capsys, flags, words):
 def test_the_command_line_exits_2_on_a_bad_pp():
     out = meshlm("explain", "--devices=8", "--model=test", "--pp=3")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--pp=3" in out.stderr, out.stderr
+
+
+def test_collective_axes_from_every_spelling_of_the_groups():
+    """Self-pairs first in a collective-permute, and mesh groups over an iota of device ids: the axes
+    are those the devices of one group differ in."""
+    import jax
+
+    from meshlm.explain.analysis import collectives
+    from meshlm.mesh import build_mesh, parse_mesh_dim
+    from meshlm.models.configs import resolve_model
+    from meshlm.models.placement import place
+
+    placement = place(resolve_model("test", {"n_layers": "4"}), build_mesh(parse_mesh_dim("1,2,2,1", 8, pp=2), jax.devices()))
+    hlo = """ENTRY %main (x: f32[4]) -> f32[4] {
+  %cp = f32[4]{0} collective-permute(f32[4]{0} %x), channel_id=1, source_target_pairs={{0,0},{5,1},{1,5}}, metadata={op_name="jit(step)/reshape"}
+  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), channel_id=2, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add
+}
+"""
+    rows = collectives(hlo, placement)
+    assert [(r.kind, r.axes) for r in rows] == [("collective-permute", ("pp",)), ("all-reduce", ("fsdp", "tp"))]
