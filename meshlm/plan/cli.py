@@ -195,6 +195,8 @@ def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, 
     only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices, pp) if args.mesh_dim else None
     if only is not None:
         pp = only.pp  # --pp, or pp:N in the named --mesh_dim
+    elif pp is not None:
+        resolve_mesh_shape(None, None, False, n_devices, pp)  # train's check that pp divides the devices
     if pp is not None:
         _check_pipeline(flags, pp, cfg.n_layers, args.grad_accum)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)

@@ -14,55 +14,54 @@ what is modelled here:
 - Every rank runs the same program: the first stage's embedding runs (recomputed) in every stage's
   forward and backward clock, and the last stage's head and loss in every backward clock, on a trash
   slot where the rank has nothing to do. So the first and last stages' extra work is paid by every
-  rank, in memory (the logits) and in time; per stage, only what a rank keeps in flight differs,
-  and since the buffers have one shape on every rank, each allocates the busiest rank's stash.
-- A microbatch is B/M sequences, and it enters the pipeline whole on every device of a stage: dp,
-  fsdp and sp shard the state but do not split the pipelined rows (tp splits heads, MLP width and
-  vocabulary; XLA splits the carried activations' model dimension over fsdp × sp).
+  rank, in memory (the tables, gathered, and their gradients) and in time; per stage, only what a
+  rank keeps in flight differs, and since the buffers have one shape on every rank, each allocates
+  the busiest rank's stash.
+- A microbatch is B/M sequences; inside a stage its rows are split over dp × fsdp and its length
+  over sp, and tp splits heads, MLP width and vocabulary, as without a pipeline.
 - Each clock, a rank that runs a forward sends its output [B/M, T, E] to the next rank, and one
   that runs a backward sends its input's cotangent to the previous one (`lax.ppermute` over pp,
   ring). Every rank sends in such a clock, busy or not (trash slots travel too), so a step moves
-  (forward clocks + backward clocks) × B/M·T·E/(fsdp·sp) × dtype bytes per device.
+  (forward clocks + backward clocks) × B/M·T·E/(dp·fsdp·sp) × dtype bytes per device.
 
 Memory per device (the pie): parameters, gradients and optimizer states exact; activations are the
-stash (A + 1 slots of a microbatch's stage input, the last a trash slot), the cotangent buffer
-(C + 1 slots) and the working set one stage's backward keeps (all its layers' activations for one
-microbatch under `--remat=none`, per the policy otherwise); temporaries are the float32 gradient
-sums carried through the clocks, the logits, the batch (split into microbatches, whole on every
-device), one layer's working set and the fsdp-gathered weights. Like `meshlm.plan.memory`, each term
-has a coefficient fitted to XLA:CPU's buffer assignment (`COEFFS`; see docs/plan.md for the cases
-and the errors).
+stash (act_slots + 1 microbatch stage inputs, the last a trash slot), the residual stream's buffers
+and the working set one stage's backward keeps (all its layers' activations for one microbatch under
+`--remat=none`, per the policy otherwise); temporaries are the float32 gradient sums carried through
+the clocks, the gathered tables and layer weights and their gradients. Like `meshlm.plan.memory`,
+terms other than the stash have a coefficient fitted to XLA:CPU's buffer assignment (`COEFFS`; see
+docs/plan.md for the cases and the errors).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
-from meshlm.ops.pipeline import SCHEDULES, Schedule, build_schedule, check
+from meshlm.ops.pipeline import Schedule, build_schedule, check
 
-# Buffers of each size live at the compiled peak of a pipelined step, fitted (a linear program that
-# minimises the worst relative error of the total, the stash held at 1) to XLA:CPU over the cases in
-# docs/plan.md.
+# Buffers of each size live at the compiled peak of a pipelined step: the stash counted whole, the
+# other coefficients fitted (a linear program that minimises the worst relative error of the total,
+# the float32 gradient sums held at 1 or more) to XLA:CPU over the 56 cases in docs/plan.md, all within
+# -9.1% .. +9.1% of the compiled peak.
 #   acc_layers   the float32 gradient sums of the rank's layers (the clock loop's carry)
 #   acc_tables   the float32 gradient sums of the embedding, final norm and head (replicated over pp)
 #   scan         the stage's layer-stacked gradient of one backward clock (stages of 2 layers or more)
-#   stage_slice  one virtual stage's weights sliced out of the rank's stages (V > 1)
+#   stage_slice  one virtual stage's weights and gradients taken out of the rank's stages (V > 1)
 #   stash        (act_slots + 1) stage inputs: the schedule's buffer, every slot allocated
-#   stream       one stage input [B/M, T, E] on this device: the residual stream's buffers
+#   stream       one stage input [B/M, T, E] on this device: the residual stream, cotangents, norms
 #   stage        what one stage's backward keeps of its layers for one microbatch (per --remat)
-#   layer        one layer's working set (policy none's activations) for one microbatch
-#   logits       float32 [B/M, T, V/tp]: the head's logits or their gradient
-#   tables       the embedding table or head as one stage gathers it (whole over fsdp·sp), float32
-#   weights      one stage's fsdp-gathered layer weights (fsdp·sp > 1)
-#   batch        the five int32/float32 fields of the batch, split into microbatches
-COEFFS = {"acc_layers": 1.62, "acc_tables": 1.26, "scan": 1.26, "stage_slice": 1.13, "stash": 1.0, "stream": 15.45,
-          "stage": 0.41, "layer": 0.54, "logits": 1.12, "tables": 0.0, "weights": 0.0, "batch": 0.16}
+#   tables       the embedding table or the head gathered whole over fsdp·sp, float32 (fsdp·sp > 1)
+#   weights      one layer's weights or gradient, whole over fsdp·sp, float32
+COEFFS = {"acc_layers": 1.0, "acc_tables": 1.92, "scan": 1.04, "stage_slice": 2.72, "stash": 1.0, "stream": 15.75,
+          "stage": 0.77, "tables": 4.9, "weights": 1.26}
 ACTIVATION_TERMS = ("stash", "stream", "stage")
+NAMES = {"acc_layers": "float32 gradient sums of the layers", "acc_tables": "float32 gradient sums of embedding and head",
+         "scan": "stacked layer gradients of a backward clock", "stage_slice": "one virtual stage's weights",
+         "tables": "embedding and head gathered over fsdp·sp", "weights": "one layer's weights or gradient, gathered"}
 
 
 @dataclass(frozen=True)
@@ -192,11 +191,8 @@ def memory_terms(job, shape: MeshShape) -> dict[str, int]:
         "stash": (s.act_slots + 1) * st.slot_bytes,
         "stream": st.slot_bytes,
         "stage": st.layers * n * saved_per_token_layer(loc, job.cfg.remat) * a // split,
-        "layer": n * saved_per_token_layer(loc, "none") * a // split,
-        "logits": n * loc.vocab * 4 // split,
         "tables": loc.w_table * 4 if gathered else 0,
-        "weights": st.layers * loc.w_layer * job.param_bytes if gathered else 0,
-        "batch": 5 * 4 * job.batch_size * job.seq_len // split,
+        "weights": loc.w_layer * 4,
     }
 
 
@@ -209,9 +205,9 @@ def estimate(job, shape: MeshShape):
     params, grads, opt = state.params_bytes(shape), state.grads_bytes(shape), state.optimizer_bytes(shape)
     live = {k: int(COEFFS[k] * v) for k, v in memory_terms(job, shape).items()}
     activations = sum(live[k] for k in ACTIVATION_TERMS)
-    detail = {k: v for k, v in live.items() if k not in ACTIVATION_TERMS and v}
-    detail["gradients (counted in the pie)"] = -grads
-    detail["batch (argument)"] = BATCH_FIELDS * 4 * job.batch_size * job.seq_len // (shape.data * shape.sp)
+    detail = {NAMES[k]: v for k, v in live.items() if k not in ACTIVATION_TERMS and v}
+    detail["less the gradients (a slice of the pie)"] = -grads
+    detail["batch"] = BATCH_FIELDS * 4 * job.batch_size * job.seq_len // (shape.data * shape.sp)
     return MemoryPie(params, grads, opt, activations, max(0, sum(detail.values())), detail)
 
 
@@ -401,7 +397,3 @@ def clock_seconds(job, shape: MeshShape, ops: list, hw) -> tuple[float, float]:
 def pp_candidates(n_devices: int, n_layers: int, virtual: int = 1) -> list[int]:
     """Pipeline sizes worth trying: divisors of the device count that split the layers evenly."""
     return [p for p in range(2, n_devices + 1) if n_devices % p == 0 and n_layers % (p * virtual) == 0]
-
-
-__all__ = ["PipelineFlags", "PipelinePlan", "SCHEDULES", "check_flags", "estimate", "memory_terms",
-           "plan_pipeline", "pp_candidates", "problem", "schedule_of", "in_flight_per_rank", "math"]

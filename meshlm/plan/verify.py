@@ -93,12 +93,13 @@ def _compile(job: Job, shape: MeshShape, devices: list[Any]):
 
 
 def stage_transfer_bytes(compiled, placement) -> int:
-    """Bytes per device per step of the compiled step's collective-permutes between pp ranks (the ring
-    attention's permutes run inside a stage, over sp, and are left out)."""
+    """Bytes per device per step of the compiled step's stage transfers: the pipeline's ppermutes, which
+    XLA compiles to collective-permutes between pp ranks (the ring attention's run over sp inside a
+    stage, and the relayout of the layers onto virtual stages is no ppermute: both are left out)."""
     from meshlm.explain.analysis import collectives
 
     return sum(c.total_bytes for c in collectives(compiled.as_text(), placement)
-               if c.kind == "collective-permute" and "pp" in c.axes)
+               if c.kind == "collective-permute" and "pp" in c.axes and c.where.endswith("ppermute"))
 
 
 def measure(compiled) -> dict:
