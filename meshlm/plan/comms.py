@@ -146,7 +146,7 @@ def predict(job: Job, shape: MeshShape) -> list[Collective]:
 
 def total_bytes(collectives: list[Collective]) -> dict[str, float]:
     """Payload bytes per step by kind (reduce-scatter counted with all-reduce, as CPU programs show it)."""
-    out = {"all-gather": 0.0, "all-reduce": 0.0, "collective-permute": 0.0}
+    out = {"all-gather": 0.0, "all-reduce": 0.0, "collective-permute": 0.0, "all-to-all": 0.0}
     for c in collectives:
         out["all-reduce" if c.kind == "reduce-scatter" else c.kind] += c.total
     out["total"] = sum(out.values())

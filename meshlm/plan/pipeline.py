@@ -304,11 +304,13 @@ def collectives(job, shape: MeshShape) -> list:
 
     Exact: the stage transfers (one ppermute of a stage input per forward clock, one of a cotangent
     per backward clock) and the sums over pp of the replicated tables' float32 gradients and the loss.
-    Estimated, per clock: inside a stage every rank runs its layers on one whole microbatch each clock,
-    so tp's all-reduces repeat per forward clock (attention out, MLP down, the embedding lookup) and per
-    backward clock (the recomputed forward's, the input gradients of q, k, v, gate and up, the head's);
-    with fsdp·sp > 1 each clock all-gathers the stage's layer weights (twice in a backward clock: the
-    recomputation and the backward) and reduce-scatters their gradients in each backward clock.
+    Estimated, per clock: every rank runs its layers on its share of one microbatch each clock, so the
+    collectives of a step without a pipeline repeat per clock: tp's all-reduces per forward clock
+    (attention out, MLP down, the embedding lookup) and per backward clock (the recomputed forward's,
+    the input gradients of q, k, v, gate and up, the head's); the ring's k, v passes over sp; with
+    fsdp·sp > 1 the stage's layer weights are all-gathered each clock (twice in a backward clock: the
+    recomputation and the backward) and their gradients reduce-scattered in each backward clock; the
+    data axes sum the gradients of each backward clock.
     """
     from meshlm.plan.comms import Collectives
 
@@ -316,7 +318,8 @@ def collectives(job, shape: MeshShape) -> list:
     st = stage_shape(job, shape)
     loc = in_stage_local(job, shape)
     fwd, bwd = clock_counts(s)
-    a, p, n, E, Ls = job.act_bytes, job.param_bytes, st.tokens, job.cfg.d_model, st.layers
+    a, p, E, Ls = job.act_bytes, job.param_bytes, job.cfg.d_model, st.layers
+    n = st.tokens // st.split  # tokens of a microbatch on one device
     out = Collectives(shape)
     add = out.add
 
@@ -324,48 +327,58 @@ def collectives(job, shape: MeshShape) -> list:
     add("collective-permute", ("pp",), st.slot_bytes, bwd, "pipeline", "pp: cotangent to the previous stage", False)
     terms = memory_terms(job, shape)
     add("all-reduce", ("pp",), terms["acc_tables"] + 4, 1, "pipeline", "pp: sum the tables' gradients and the loss")
+    if s.virtual > 1:  # rank r stores layers r·L/pp .. but runs stages r, r + pp, ...
+        add("all-to-all", ("pp",), 2 * terms["acc_layers"] // 4 * p, 1, "pipeline",
+            "pp: layers to their virtual stages, and their gradients back")
     stream = n * E * a
     recompute = 1 if job.cfg.remat != "none" else 0
-    add("all-reduce", ("tp",), stream, Ls * fwd, "attn.out", "tp: sum partial outputs (forward clocks)", False)
-    add("all-reduce", ("tp",), stream, Ls * bwd * (1 + recompute), "attn.out", "tp: recomputed in backward clocks", False)
-    add("all-reduce", ("tp",), stream, Ls * (fwd + bwd * (1 + recompute)), "mlp.down", "tp: sum partial outputs", False)
+    clocks_fwd = fwd + bwd * (1 + recompute)  # forward passes of the stage: forward clocks, recomputations
+    add("all-reduce", ("tp",), stream, Ls * clocks_fwd, "attn.out", "tp: sum partial outputs", False)
+    add("all-reduce", ("tp",), stream, Ls * clocks_fwd, "mlp.down", "tp: sum partial outputs", False)
     add("all-reduce", ("tp",), 3 * stream, Ls * bwd, "attn.qkv", "tp: input gradients of q, k, v", False)
     add("all-reduce", ("tp",), 2 * stream, Ls * bwd, "mlp.in", "tp: input gradients of gate, up", False)
-    add("all-reduce", ("tp",), n * E * a, fwd + 2 * bwd, "embed", "tp: embedding lookup from vocab shards", False)
+    add("all-reduce", ("tp",), stream, fwd + 2 * bwd, "embed", "tp: embedding lookup from vocab shards", False)
     add("all-reduce", ("tp",), stream, bwd, "lm_head", "tp: input gradient of the head (every backward clock)", False)
     add("all-reduce", ("tp",), 3 * n * 4, bwd, "loss", "tp: softmax statistics over vocab shards", False)
-    if shape.fsdp * shape.sp > 1:
-        F = ("fsdp", "sp")
-        for op, w in (("attn.qkv", loc.w_qkv), ("attn.out", loc.w_out), ("mlp.in", loc.w_mlp_in),
-                      ("mlp.down", loc.w_mlp_out)):
+    if shape.sp > 1:  # RingAttention, as `meshlm.plan.comms.predict` counts it, per clock
+        kv, kv32, ids, hops = n * loc.kv_heads * job.cfg.head_dim * a, n * loc.kv_heads * job.cfg.head_dim * 4, n * 4, shape.sp
+        add("collective-permute", ("sp",), 2 * kv, hops * Ls * clocks_fwd, "attention", "ring: pass k, v (forward)")
+        add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, hops * Ls * bwd, "attention",
+            "ring: pass k, v, ids and dk, dv accumulators (backward)")
+        add("collective-permute", ("sp",), 2 * kv32, Ls * bwd, "attention", "ring: send dk, dv home")
+    F = ("fsdp", "sp")
+    for op, w in (("attn.qkv", loc.w_qkv), ("attn.out", loc.w_out), ("mlp.in", loc.w_mlp_in), ("mlp.down", loc.w_mlp_out)):
+        if shape.fsdp * shape.sp > 1:
             add("all-gather", F, w * p, Ls * (fwd + 2 * bwd), op, "fsdp: gather the stage's weights each clock")
             add("reduce-scatter", F, w * p, Ls * bwd, op, "fsdp: reduce-scatter weight gradients each backward clock")
-        add("all-gather", F, loc.w_table * p, 2, "embed", "fsdp: gather the embedding table and head")
+        if Ls > 1:  # inside the stage's layer loop, each backward clock
+            add("all-reduce", ("dp",), w * p / (shape.fsdp * shape.sp), Ls * bwd, op, "dp: sum weight gradients")
+        else:  # a stage of one layer: XLA sums the accumulated gradients once, after the clocks
+            add("all-reduce", ("dp",), w * p / (shape.fsdp * shape.sp) * s.virtual, 1, op, "dp: sum weight gradients")
+    add("all-gather", F, loc.w_table * p, 2, "embed", "fsdp: gather the embedding table and head")
+    add("all-reduce", ("dp", "fsdp", "sp"), 2 * loc.w_table * p, bwd, "embed", "sum the tables' gradients over the data axes")
     return list(out)
 
 
 def operator_flops(job, shape: MeshShape) -> dict[str, float]:
     """FLOPs per device per step of each operator of a pipelined step.
 
-    Each clock every rank runs its stage (L/(pp·V) layers) on one whole microbatch; forward clocks
-    run it once, backward clocks three times (the recomputed forward and the backward), four with a
-    `--remat` policy inside the stage; each backward clock also runs the head (forward and backward)
-    on every rank. The weight matmuls are split over tp and over fsdp·sp (the model dimension of the
-    stage's activations), attention over tp only; dp does not split the work."""
+    Each clock every rank runs its stage (L/(pp·V) layers) on one microbatch, split over the stage's
+    devices as a step without a pipeline splits its batch (rows over dp·fsdp, length over sp, heads and
+    MLP over tp); forward clocks run it once, backward clocks three times (the recomputed forward and
+    the backward), four with a `--remat` policy inside the stage; each backward clock also runs the
+    head (forward and backward) on every rank."""
     from meshlm.plan.cost import _matmul_flops
 
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     fwd, bwd = clock_counts(s)
     loc = in_stage_local(job, shape)
-    per_token = {k: v / loc.tokens for k, v in _matmul_flops(loc).items()}  # per token of this device's shard
-    n, F = st.tokens, shape.fsdp * shape.sp
+    n = st.tokens / st.split
     back = 3 + (1 if job.cfg.remat != "none" else 0)
-    out = {}
-    for name, f in per_token.items():
-        split = 1 if name == "attention" else F
-        out[name] = f * n / split * st.layers * (fwd + back * bwd)
-    out["lm_head"] = 3 * 2 * n * loc.w_table / F * bwd
+    out = {name: f / loc.tokens * n * st.layers * (fwd + back * bwd) for name, f in _matmul_flops(loc).items()}
+    out["attention"] /= shape.sp  # a ring rank attends with its share of the queries to all keys
+    out["lm_head"] = 3 * 2 * n * loc.w_table * bwd
     return out
 
 

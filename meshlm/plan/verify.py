@@ -50,13 +50,14 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
                     return list(devices), f"TPU topology {name}"
         except Exception:  # noqa: BLE001 - no libtpu (the usual case): fall back to simulated CPUs
             pass
-    cpus = jax.devices("cpu")
+    cpus = jax.devices("cpu")  # with several processes: all of theirs
     if len(cpus) < n:
         raise UsageError(
             f"--verify needs {n} simulated CPU devices but this process has {len(cpus)}; run `meshlm plan` in a "
             f"fresh process (it sets up --devices={n} itself) or plan for at most {len(cpus)} devices"
         )
-    return cpus[:n], f"{n} simulated CPU devices"
+    processes = f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""
+    return cpus[:n], f"{n} simulated CPU devices{processes}"
 
 
 def compile_step(job: Job, shape: MeshShape, devices: list[Any]):
