@@ -62,10 +62,11 @@ def rank_load(schedule: Schedule) -> list[dict]:
     return out
 
 
-def schedule_picture(schedule: Schedule, max_clocks: int = 48) -> str:
+def schedule_picture(schedule: Schedule, max_width: int = 160) -> str:
     """Rank × clock: `F3` a forward of microbatch 3, `B3` a backward, both in one clock `F3B1`, `·` idle;
-    with virtual stages `F3.1` is microbatch 3 on the rank's virtual stage 1."""
-    pp, V = schedule.pp, schedule.virtual
+    with virtual stages `F3.1` is microbatch 3 on the rank's virtual stage 1. Long schedules are cut into
+    bands of clocks, each at most `max_width` characters wide."""
+    pp, V, T = schedule.pp, schedule.virtual, schedule.clocks
 
     def part(letter, entry):
         active, k, i = entry[:3]
@@ -73,16 +74,17 @@ def schedule_picture(schedule: Schedule, max_clocks: int = 48) -> str:
             return ""
         return f"{letter}{i}" + (f".{k // pp}" if V > 1 else "")
 
-    T = min(schedule.clocks, max_clocks)
-    cells = [[part("F", schedule.fwd[t, r]) + part("B", schedule.bwd[t, r]) or "·" for t in range(T)]
-             for r in range(pp)]
+    cells = [[part("F", schedule.fwd[t, r]) + part("B", schedule.bwd[t, r]) or "·" for t in range(T)] for r in range(pp)]
     width = max(len(c) for row in cells for c in row + [str(T - 1)])
-    label = max(len(f"rank {pp - 1}"), len("clock"))
-    lines = [("clock".ljust(label) + " " + " ".join(str(t).ljust(width) for t in range(T))).rstrip()]
-    lines += [f"rank {r}".ljust(label) + " " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(cells)]
-    if T < schedule.clocks:
-        lines[0] += f"  … ({schedule.clocks} clocks in all)"
-    return "\n".join(lines)
+    label = len(f"rank {pp - 1}")
+    per_band = max(1, (max_width - label) // (width + 1))
+    bands = []
+    for start in range(0, T, per_band):
+        clocks = range(start, min(T, start + per_band))
+        rows = [("clock".ljust(label) + " " + " ".join(str(t).ljust(width) for t in clocks))]
+        rows += [f"rank {r}".ljust(label) + " " + " ".join(cells[r][t].ljust(width) for t in clocks) for r in range(pp)]
+        bands.append("\n".join(line.rstrip() for line in rows))
+    return "\n\n".join(bands)
 
 
 def describe(schedule: Schedule) -> dict:
