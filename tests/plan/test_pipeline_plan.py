@@ -5,6 +5,7 @@ One compile per grid case (abstract inputs, 8 simulated CPU devices), shared by 
 transfer assertions. `python tests/plan/test_pipeline_plan.py` prints the grid's figures.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ if __name__ == "__main__":  # the figures for docs/plan.md, outside pytest
 import pytest
 
 from meshlm.cli import main
+from meshlm.errors import UsageError
 from meshlm.mesh import parse_mesh_dim
 from meshlm.models.configs import resolve_model
 from meshlm.ops.pipeline import build_schedule
@@ -197,6 +199,22 @@ def test_bad_pipeline_flags_are_one_line_exit_2(capsys, flags, words):
     lines = out.err.strip().splitlines()
     assert rc == 2 and out.out == "" and len(lines) == 1 and lines[0].startswith("error: "), out.err
     assert words in lines[0], lines[0]
+
+
+def test_nothing_fits_names_pipeline_stages_when_they_would(monkeypatch):
+    """When no mesh fits and stages would (here: the stage memory is made small), the one line says --pp."""
+    cfg = resolve_model("test", {"n_layers": "4"}).replace(dtype="float32", remat="full")
+    job = Job(cfg, 8, 32, 8)
+    real = memory.estimate
+
+    def squeezed(job, shape):
+        pie = real(job, shape)
+        return pie if shape.pp == 1 else type(pie)(1, 0, 0, 0, 0)
+
+    monkeypatch.setattr(memory, "estimate", squeezed)
+    hw = dataclasses.replace(CATALOG["h100"], hbm_bytes=1e5)
+    with pytest.raises(UsageError, match=r"nearest change that fits: --pp=2 \(e.g. --mesh_dim=\d,\d,\d,\d --pp=2\)"):
+        search.search(job, hw)
 
 
 def test_stages_hold_their_layers_and_the_tables():
