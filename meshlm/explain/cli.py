@@ -61,7 +61,7 @@ def explain(cfg, tensor: str | None = None, png: str | None = None, keep: dict |
     from meshlm.explain import analysis as A, pipeline as PL
     from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place
-    from meshlm.train.loop import choose_strategy, resolve_dtype
+    from meshlm.train.loop import choose_strategy, pipeline_schedule, resolve_dtype
     from meshlm.train.optimizer import OptimizerConfig, make_optimizer
     from meshlm.train.state import abstract_state
     from meshlm.train.step import abstract_batch, compile_step, make_train_step
@@ -109,20 +109,6 @@ def explain(cfg, tensor: str | None = None, png: str | None = None, keep: dict |
     if keep is not None:  # the compiled objects themselves, for callers that read further (tests)
         keep.update(placement=placement, step=step, batch=batch, schedule=pipeline)
     return report
-
-
-def pipeline_schedule(cfg, shape, n_layers: int):
-    """The `--pp` flags checked as `meshlm train` checks them, and the schedule they give."""
-    from meshlm.ops.pipeline import build_schedule, check
-
-    micro = cfg.microbatches or 2 * shape.pp
-    check(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, n_layers)
-    if cfg.grad_accum > 1:
-        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
-    if cfg.batch_size % (micro * shape.data):
-        raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
-                         f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
-    return build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
 
 
 def print_report(r: dict, file=None) -> None:

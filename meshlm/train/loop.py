@@ -86,6 +86,20 @@ class TrainConfig:
             raise UsageError(f"--batch_size={self.batch_size} is not divisible by --grad_accum={self.grad_accum}")
 
 
+def pipeline_schedule(cfg: TrainConfig, shape, n_layers: int):
+    """The `--pp` flags checked (one line each, before anything compiles) and the schedule they give."""
+    from meshlm.ops.pipeline import build_schedule, check
+
+    micro = cfg.microbatches or 2 * shape.pp
+    check(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, n_layers)
+    if cfg.grad_accum > 1:
+        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
+    if cfg.batch_size % (micro * shape.data):
+        raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
+                         f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
+    return build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
+
+
 def choose_strategy(cfg: TrainConfig, shape, n_layers: int, pipelined: bool = False):
     """(strategy, rules) from --strategy, --zero_stage and --sharding_rules, checked against the mesh
     and the batch before anything compiles."""
@@ -201,18 +215,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     n_devices = jax.device_count()
     shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim, n_devices,
                                         jax.process_count(), cfg.pp)
-    pipeline = None
-    if shape.pp > 1:
-        from meshlm.ops.pipeline import build_schedule, check as check_pipeline
-
-        micro = cfg.microbatches or 2 * shape.pp
-        check_pipeline(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, model_cfg.n_layers)
-        if cfg.grad_accum > 1:
-            raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
-        if cfg.batch_size % (micro * shape.data):
-            raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
-                             f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
-        pipeline = build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
+    pipeline = pipeline_schedule(cfg, shape, model_cfg.n_layers) if shape.pp > 1 else None
     if cfg.mp_mesh_dim:
         console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
     meshlib.validate_mesh_shape(
