@@ -9,7 +9,6 @@ import json
 import sys
 from collections import defaultdict
 
-from meshlm.errors import UsageError
 
 
 def _mib(n: float) -> str:
