@@ -2,7 +2,8 @@
 pipelined step, the bubble from the schedule, GPipe's stash against 1F1B's, and the pp flags.
 
 One compile per grid case (abstract inputs, 8 simulated CPU devices), shared by the memory and the
-transfer assertions. `python tests/plan/test_pipeline_plan.py` prints the grid's figures.
+transfer assertions. `python tests/plan/test_pipeline_plan.py` prints the grid's figures; with `--fit-set`, those of the
+56 cases the memory coefficients were fitted to.
 """
 
 import dataclasses
@@ -231,7 +232,89 @@ def test_stages_hold_their_layers_and_the_tables():
     assert terms["acc_tables"] == tables and terms["acc_layers"] == sb.params_bytes(four) - tables
 
 
-if __name__ == "__main__":
+# The 56 cases the memory coefficients were fitted to (meshlm.plan.pipeline.COEFFS): the `test` model
+# with these overrides; (model, mesh_dim, pp, schedule, microbatches, virtual stages, batch, seq_len,
+# remat), each on pp × dp × fsdp × tp × sp simulated devices, float32.
+FIT_MODELS = {
+    "D": {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "512", "vocab_size": "256"},
+    "D8": {"n_layers": "8", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "512", "vocab_size": "256"},
+    "DV": {"n_layers": "8", "d_model": "128", "n_heads": "4", "n_kv_heads": "2", "mlp_dim": "384", "vocab_size": "2048"},
+    "F": {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"},
+    "G": {"n_layers": "8", "n_kv_heads": "4"},
+    "M8": {"n_layers": "8", "d_model": "128", "n_heads": "8", "n_kv_heads": "8", "mlp_dim": "512", "vocab_size": "512"},
+    "T": {"n_layers": "4"},
+    "T8": {"n_layers": "8"},
+    "V": {"n_layers": "4", "vocab_size": "2048"},
+    "W": {"n_layers": "4", "d_model": "128", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256", "vocab_size": "1024"},
+}
+FIT_CASES = [
+    ("G", "1,1,1,2", 4, "1f1b", 16, 1, 32, 32, "none"), ("M8", "1,2,1,2", 2, "1f1b", 8, 1, 16, 64, "full"),
+    ("T", "1,4,1,1", 2, "interleaved", 4, 2, 16, 64, "none"), ("V", "1,1,1,4", 2, "1f1b", 2, 1, 4, 32, "none"),
+    ("D", "1,1,2,2", 2, "interleaved", 4, 1, 4, 64, "full"),
+    ("M8", "1,1,1,1", 8, "interleaved", 16, 1, 16, 64, "save_dots"),
+    ("W", "2,1,1,1", 4, "gpipe", 8, 1, 16, 32, "save_qkv_attn"),
+    ("DV", "1,1,1,2", 4, "interleaved", 4, 2, 8, 64, "none"),
+    ("D8", "1,1,1,1", 8, "1f1b", 16, 1, 16, 64, "save_qkv_attn"),
+    ("DV", "2,1,1,1", 4, "1f1b", 8, 1, 16, 64, "save_dots"), ("T", "1,1,4,1", 2, "interleaved", 2, 2, 4, 32, "none"),
+    ("G", "1,1,1,4", 2, "gpipe", 4, 1, 4, 64, "none"), ("W", "2,1,1,1", 4, "gpipe", 4, 1, 8, 64, "save_qkv_attn"),
+    ("W", "2,1,1,1", 4, "1f1b", 16, 1, 32, 64, "save_dots"), ("G", "2,1,2,1", 2, "1f1b", 4, 1, 8, 32, "full"),
+    ("G", "1,1,2,1", 4, "interleaved", 4, 2, 4, 32, "save_dots"),
+    ("W", "1,1,4,1", 2, "1f1b", 8, 1, 16, 32, "save_qkv_attn"),
+    ("M8", "4,1,1,1", 2, "interleaved", 4, 2, 16, 32, "full"), ("W", "1,4,1,1", 2, "1f1b", 2, 1, 8, 64, "full"),
+    ("W", "2,1,1,1", 4, "gpipe", 4, 1, 8, 32, "save_qkv_attn"), ("M8", "4,1,1,1", 2, "gpipe", 4, 1, 16, 64, "none"),
+    ("G", "2,1,1,1", 4, "interleaved", 8, 2, 16, 64, "none"), ("W", "1,1,2,2", 2, "interleaved", 4, 1, 8, 32, "full"),
+    ("G", "2,1,1,1", 4, "interleaved", 4, 2, 8, 32, "none"), ("W", "1,1,4,1", 2, "interleaved", 4, 2, 8, 64, "full"),
+    ("D8", "2,1,2,1", 2, "gpipe", 8, 1, 16, 32, "save_qkv_attn"), ("G", "1,2,1,1", 4, "1f1b", 4, 1, 8, 32, "none"),
+    ("D8", "1,2,1,2", 2, "gpipe", 8, 1, 16, 32, "full"), ("D8", "1,2,1,1", 4, "1f1b", 8, 1, 16, 32, "full"),
+    ("DV", "1,4,1,1", 2, "gpipe", 2, 1, 8, 32, "none"), ("M8", "2,2,1,1", 2, "gpipe", 8, 1, 32, 64, "save_dots"),
+    ("G", "1,1,2,2", 2, "gpipe", 2, 1, 2, 64, "save_qkv_attn"), ("D8", "1,1,1,2", 4, "1f1b", 8, 1, 8, 32, "full"),
+    ("M8", "2,1,2,1", 2, "gpipe", 8, 1, 16, 64, "full"), ("V", "1,1,2,2", 2, "gpipe", 4, 1, 4, 64, "none"),
+    ("D8", "1,2,1,2", 2, "1f1b", 2, 1, 4, 32, "full"), ("D", "1,1,2,2", 2, "gpipe", 8, 1, 8, 32, "none"),
+    ("T", "1,2,1,2", 2, "gpipe", 4, 1, 8, 32, "none"), ("T", "2,1,1,1", 4, "1f1b", 8, 1, 16, 32, "save_qkv_attn"),
+    ("D8", "4,1,1,1", 2, "interleaved", 2, 2, 8, 64, "full"), ("G", "1,1,1,1", 8, "gpipe", 8, 1, 8, 32, "full"),
+    ("V", "2,1,2,1", 2, "1f1b", 8, 1, 16, 32, "none"), ("D", "1,1,1,4", 2, "1f1b", 8, 1, 16, 64, "save_qkv_attn"),
+    ("M8", "1,2,1,2", 2, "1f1b", 2, 1, 4, 64, "none"), ("T", "1,1,4,1", 2, "gpipe", 4, 1, 8, 32, "none"),
+    ("T", "1,2,2,1", 2, "1f1b", 8, 1, 16, 32, "none"), ("T", "1,1,2,2", 2, "interleaved", 4, 2, 8, 32, "none"),
+    ("T", "1,1,2,1", 4, "gpipe", 8, 1, 16, 32, "save_dots"), ("T", "2,1,1,1", 4, "1f1b", 4, 1, 8, 32, "none"),
+    ("T8", "1,2,1,1", 4, "interleaved", 4, 2, 8, 32, "full"), ("F", "1,1,1,1", 4, "1f1b", 8, 1, 16, 64, "none"),
+    ("F", "1,1,1,1", 4, "1f1b", 16, 1, 32, 64, "none"), ("F", "1,1,1,1", 4, "1f1b", 32, 1, 64, 64, "none"),
+    ("F", "1,1,1,1", 4, "gpipe", 8, 1, 16, 64, "none"), ("F", "1,1,1,1", 4, "gpipe", 16, 1, 32, 64, "none"),
+    ("F", "1,1,1,1", 4, "gpipe", 32, 1, 64, 64, "none"),
+]
+
+
+def fit_set() -> None:
+    """Compile the 56 cases (a few minutes) and print the predicted memory and collectives' errors."""
+    import math
+    import statistics
+
+    import jax
+
+    from meshlm.plan import comms
+    from meshlm.plan.verify import _compile, error_percent, measure, stage_transfer_bytes
+
+    mem, coll, xfer = [], [], []
+    for model, mesh_dim, pp, schedule, M, V, batch, seq, remat in FIT_CASES:
+        n = pp * math.prod(int(x) for x in mesh_dim.split(","))
+        cfg = resolve_model("test", FIT_MODELS[model]).replace(dtype="float32", remat=remat)
+        job, shape = Job(cfg, batch, seq, n, 1, PipelineFlags(schedule, M, V)), parse_mesh_dim(mesh_dim, n, pp=pp)
+        compiled, placement = _compile(job, shape, jax.devices()[:n])
+        got = measure(compiled)
+        plan = search.evaluate(job, shape, CATALOG["h100"])
+        mem.append(error_percent(plan.memory.total, got["peak_memory_bytes"]))
+        coll.append(error_percent(comms.total_bytes(plan.collectives)["total"], got["collective_bytes"]["total"]))
+        xfer.append(error_percent(plan.pipeline.transfer_bytes, stage_transfer_bytes(compiled, placement)))
+        print(f"   {model:3s} {mesh_dim} pp={pp} {schedule:11s} M={M:<2d} V={V} b{batch:<2d} t{seq} {remat:13s} "
+              f"memory {mem[-1]:+6.1f}%  transfers {xfer[-1]:+5.1f}%  all collectives {coll[-1]:+6.1f}%", flush=True)
+    for what, errs in (("per-device memory", mem), ("stage transfers", xfer), ("all collectives", coll)):
+        print(f"   {what:18s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
+              f"range {min(errs):+.1f}% .. {max(errs):+.1f}%")
+
+
+if __name__ == "__main__" and "--fit-set" in sys.argv:
+    print(f"fit set: {len(FIT_CASES)} cases on simulated CPU devices (float32)")
+    fit_set()
+elif __name__ == "__main__":
     import statistics
 
     print(f"pipeline grid: {len(GRID)} cases on 8 simulated CPU devices (test model, seq 32, float32)")
