@@ -118,15 +118,18 @@ def schedule_of(flags: PipelineFlags, pp: int) -> Schedule:
 
 
 def in_flight_per_rank(s: Schedule) -> list[int]:
-    """Stash slots each rank fills at its busiest: the distinct slots the table delivers into on that
-    rank (the table allocates a new slot only when none is free, so this is the rank's peak)."""
-    return [len({int(x) for x in s.recv_act[:, r]} - {s.act_slots}) for r in range(s.pp)]
+    """Stage inputs each rank stashes at its busiest (`meshlm explain`'s reading of the table)."""
+    from meshlm.explain.pipeline import rank_load
+
+    return [r["stash"] for r in rank_load(s)]
 
 
 def clock_counts(s: Schedule) -> tuple[int, int]:
     """(clocks with a forward, clocks with a backward): every rank runs, and sends, in each."""
-    kinds = [int(k) for k in s.kinds]
-    return sum(1 for k in kinds if k & 1), sum(1 for k in kinds if k & 2)
+    from meshlm.explain.pipeline import describe_clocks
+
+    clocks = describe_clocks(s)
+    return clocks["forward_clocks"], clocks["backward_clocks"]
 
 
 def stage_layers(n_layers: int, s: Schedule, rank: int) -> list[tuple[int, int]]:
