@@ -16,7 +16,8 @@ import os
 import sys
 
 from meshlm.errors import UsageError
-from meshlm.plan.pipeline import PipelineFlags, check_flags
+from meshlm.mesh import MeshShape
+from meshlm.plan.pipeline import PipelineFlags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,11 +90,13 @@ def _pipeline(args) -> tuple[PipelineFlags, int | None]:
     return flags, pp
 
 
-def _check_pipeline(flags: PipelineFlags, pp: int, n_layers: int, grad_accum: int) -> None:
-    if pp > 1:
-        check_flags(flags, pp, n_layers)
-        if grad_accum > 1:
-            raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
+def _check_pipeline(flags: PipelineFlags, pp: int, n_layers: int, batch_size: int, grad_accum: int) -> None:
+    """`meshlm train`'s checks of the pipeline flags, on the mesh's pp alone (the data axes come later)."""
+    from meshlm.plan.pipeline import problem
+
+    found = problem(flags, MeshShape(pp=pp), n_layers, batch_size, grad_accum) if pp > 1 else None
+    if found:
+        raise UsageError(found)
 
 
 def _device_count(args, per_host_default: int | None) -> tuple[int, int | None]:
@@ -198,7 +201,7 @@ def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, 
     elif pp is not None:
         resolve_mesh_shape(None, None, False, n_devices, pp)  # train's check that pp divides the devices
     if pp is not None:
-        _check_pipeline(flags, pp, cfg.n_layers, args.grad_accum)
+        _check_pipeline(flags, pp, cfg.n_layers, args.batch_size, args.grad_accum)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
     job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum, flags)
     pps = search.auto_pps(job) if pp is None else (pp,)

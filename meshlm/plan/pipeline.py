@@ -41,7 +41,7 @@ from functools import lru_cache
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
-from meshlm.ops.pipeline import Schedule, build_schedule, check
+from meshlm.ops.pipeline import Schedule, build_schedule
 
 # Buffers of each size live at the compiled peak of a pipelined step: the stash counted whole, the
 # other coefficients fitted to XLA:CPU over the 56 cases in docs/plan.md by a linear program that
@@ -87,23 +87,21 @@ class PipelineFlags:
         return out
 
 
-def check_flags(flags: PipelineFlags, pp: int, n_layers: int | None = None) -> None:
-    """`meshlm train`'s checks of the pipeline flags (one UsageError line)."""
-    check(flags.schedule, pp, flags.microbatches_for(pp), flags.virtual_stages, n_layers)
-
-
 def problem(flags: PipelineFlags, shape: MeshShape, n_layers: int, batch_size: int, grad_accum: int) -> str | None:
     """Why this pipelined mesh cannot run the job (`meshlm train`'s checks), or None."""
-    M = flags.microbatches_for(shape.pp)
+    return _problem(flags, shape.pp, shape.data, n_layers, batch_size, grad_accum)
+
+
+@lru_cache(maxsize=256)
+def _problem(flags: PipelineFlags, pp: int, data: int, n_layers: int, batch_size: int, grad_accum: int) -> str | None:
+    from meshlm.train.loop import TrainConfig, pipeline_schedule
+
+    cfg = TrainConfig(pp=pp, pipeline_schedule=flags.schedule, microbatches=flags.microbatches,
+                      virtual_stages=flags.virtual_stages, batch_size=batch_size, grad_accum=grad_accum)
     try:
-        check_flags(flags, shape.pp, n_layers)
+        pipeline_schedule(cfg, MeshShape(fsdp=data, pp=pp), n_layers)
     except UsageError as e:
         return str(e)
-    if grad_accum > 1:
-        return "--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum"
-    if batch_size % (M * shape.data):
-        return (f"batch {batch_size} does not split into {M} microbatches of rows divisible by dp×fsdp = "
-                f"{shape.data}; use a multiple of {M * shape.data}")
     return None
 
 

@@ -98,7 +98,7 @@ IMPOSSIBLE = [
     (["--mesh_dim=1,1,1,8", "--seq_len=100"], "--mesh_dim=1,1,1,8: seq_len 100", "meshes that work: --mesh_dim="),
     (["--hosts=2", "--devices_per_host=4", "--devices=16"], "--devices=16 but --hosts × --devices_per_host = 8",
      "make them agree"),
-    (["--mesh_dim=pp:2,fsdp:4"], "--mesh_dim=1,4,1,1 --pp=2: batch 8 does not split into 4 microbatches",
+    (["--mesh_dim=pp:2,fsdp:4"], "--mesh_dim=1,4,1,1 --pp=2: --batch_size=8 does not split into --microbatches=4",
      "meshes that work: --mesh_dim="),
     (["--hosts=3", "--devices=16"], "--devices=16 is not divisible by --hosts=3", "a multiple of 3"),
     (["--hosts=2", "--hardware=cpu"], "--hosts=2 on --hardware=cpu", "needs --devices_per_host"),

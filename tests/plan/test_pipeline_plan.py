@@ -189,7 +189,7 @@ BAD = [
     (["--pp=auto", "--mesh_dim=1,1,4,1"], "--pp=auto searches the meshes"),
     (["--mesh_dim=pp:2,tp:4", "--pp=4"], "give pp a size, once"),
     (["--pp=2", "--mesh_dim=1,8,1,1"], "make the product 4"),
-    (["--pp=2", "--batch_size=4", "--microbatches=4", "--mesh_dim=1,4,1,1"], "does not split into 4 microbatches"),
+    (["--pp=2", "--batch_size=4", "--microbatches=4", "--mesh_dim=1,4,1,1"], "--batch_size=4 does not split into --microbatches=4"),
 ]
 
 
