@@ -35,6 +35,9 @@ def reference():
     (2, "1f1b", 4, 1, (1, 2, 2, 1)),
     (2, "interleaved", 4, 2, (1, 1, 2, 2)),
     (4, "gpipe", 4, 1, (2, 1, 1, 1)),
+    (2, "gpipe", 4, 1, (1, 1, 1, 1)),  # pp alone
+    (4, "1f1b", 8, 1, (1, 1, 1, 1)),
+    (2, "interleaved", 2, 2, (1, 1, 1, 1)),
 ])
 def test_pipelined_loss_and_gradients_equal_the_plain_step(reference, pp, name, M, V, rest):
     cfg, batch, params, want_loss, want_grads = reference
