@@ -5,7 +5,8 @@ step time t(M) is measured (the fastest of --steps steps: the machine is shared,
 the least disturbed) and fitted by least squares over the three M as t = a + s·M: s is the cost of
 one more microbatch in the steady state, a what the step costs besides. The same model without a
 pipeline on the same devices (mesh 1,4,1,1, fsdp) and the same batches gives a0, the per-step cost
-that is not microbatch work in either (the optimizer update, the step's launch). The fill and drain
+that is not microbatch work in either (the optimizer update, the step's launch; taken as 0 when the
+fit gives less, which happens when the baseline's time grows faster than M). The fill and drain
 of the pipeline is then a - a0, and the measured bubble its share of the microbatch work:
 
     bubble(M) = (a - a0) / (t(M) - a0),
@@ -87,9 +88,10 @@ def main() -> None:
     print(f"model: test preset, {args.layers} layers, d_model 128; pp={PP} on 4 simulated CPU devices; "
           f"{args.rows} rows × {args.seq} tokens per microbatch; fastest of {args.steps} steps")
     plain = {M: step_time(cfg, "1,4,1,1", 1, None, M * args.rows, args.seq, args.steps) for M in MS}
-    s0, a0 = np.polyfit(MS, [plain[M] for M in MS], 1)
+    s0, fit = np.polyfit(MS, [plain[M] for M in MS], 1)
+    a0 = max(fit, 0.0)  # a fixed cost is not negative: a negative intercept is the baseline growing faster than M
     print("no pipeline (1,4,1,1): " + ", ".join(f"M={M} {plain[M]:.3f} s" for M in MS)
-          + f"; per-step cost besides microbatches a0 = {a0:.3f} s")
+          + f"; per-step cost besides microbatches a0 = {a0:.3f} s (fit {fit:.3f} s)")
     print(f"{'schedule':<18}{'M':>4}{'step s':>9}{'no-pp s':>9}{'pp/no-pp':>10}"
           f"{'bubble':>9}{'theory':>9}{'ratio':>7}")
     for name in ("gpipe", "1f1b", "interleaved"):
