@@ -369,10 +369,9 @@ def dot_product_attention(
     scores = jnp.where(mask[:, None, None], _scores(grouped_q, k), -jnp.inf)
     m = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m))  # masked -> exactly 0
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)  # a row with nothing to attend stays all 0
     out = _dot("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
-    # Normalise the [T, D] output, not the [T, S] probabilities: one pass over the scores fewer.
-    l = jnp.moveaxis(jnp.sum(p, axis=-1), -1, 1)[..., None]  # [B, T, KVH, G, 1]
-    out = out / jnp.where(l > 0, l, 1.0)  # a row with nothing to attend stays all 0
     return ungroup_queries(out).astype(q.dtype)
 
 
