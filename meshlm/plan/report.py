@@ -198,7 +198,7 @@ def print_stages(plan: Plan, console) -> None:
                   "rank runs the head in each backward clock", highlight=False)
     table = Table(title=f"stages of {plan.shape.flags} (every rank allocates the busiest rank's stash: "
                         f"{s.act_slots} + 1 trash slots)")
-    for col in ("rank", "layers", "in flight", "memory GB", "own stash GB"):
+    for col in ("rank", "layers", "in flight", "memory GB", "memory with own stash GB"):
         table.add_column(col, justify="left" if col == "layers" else "right")
     worst = pl.worst.rank
     for st in pl.stages:
