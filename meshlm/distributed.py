@@ -29,9 +29,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshlm.errors import UsageError
+
+# The `meshlm train` flags (TrainConfig fields) that every command run across processes takes.
+CLUSTER_FLAGS = ("coordinator_address", "num_processes", "process_id", "peer_timeout", "connect_timeout")
 
 ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
@@ -282,6 +286,35 @@ def supervise(argv: list[str], cluster: Cluster) -> int:
         return rc
     print(f"error: {diagnose(''.join(tail), cluster, rc)}", file=sys.stderr, flush=True)
     return 1
+
+
+def run(command: str, argv: list[str], cluster: Cluster, work: Callable[[bool], int], local_devices: int | None,
+        connect_timeout: float = 60.0) -> int:
+    """`work(main)` here alone, or in each process of the cluster: `main` is True on process 0.
+
+    A process of several re-runs `meshlm COMMAND ARGV` as a supervised child (`supervise`), joins the
+    others and runs `work`; an error in any of them is one line and ends them all, and a process that
+    dies stops the others within the cluster's peer timeout. `local_devices`: this process's simulated
+    CPU devices (`--devices`), set before JAX starts."""
+    from meshlm.train.loop import configure_devices
+
+    if cluster.multi_process and not is_worker():
+        return supervise([command, *argv], cluster)
+    configure_devices(local_devices)
+    initialize(cluster, connect_timeout=connect_timeout)
+    if not cluster.multi_process:
+        return work(True)
+    import jax
+
+    try:
+        status = work(jax.process_index() == 0)
+    except UsageError as e:  # the others would wait for this one: leave now, status 2
+        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except Exception as e:  # noqa: BLE001  (usually a collective failing because a peer died)
+        fail_fast(e)
+    finish()
+    return status
 
 
 def fail_fast(error: BaseException) -> None:

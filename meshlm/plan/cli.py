@@ -10,9 +10,7 @@ Flags shared with `meshlm train` keep its names and meanings. Bad input is one `
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import sys
 
 from meshlm.errors import UsageError
@@ -21,8 +19,10 @@ from meshlm.plan.pipeline import PipelineFlags
 
 
 def _parser() -> argparse.ArgumentParser:
-    from meshlm.cli import _Parser
+    from meshlm.cli import _Parser, _add_dataclass_flags
     from meshlm.plan.hardware import NAMES
+    from meshlm.distributed import CLUSTER_FLAGS
+    from meshlm.train.loop import TrainConfig
 
     p = _Parser(prog="meshlm plan", description="Rank every dp,fsdp,tp,sp mesh of the devices for one training job.")
     job = p.add_argument_group("the job (as in meshlm train)")
@@ -38,11 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     pipe = p.add_argument_group("pipeline stages (as in meshlm train)")
     pipe.add_argument("--pp", default="1", help="pipeline stages, or auto: also plan every pp that divides the devices "
                                                 "and the layers [default: 1]")
-    for name in ("pipeline_schedule", "microbatches", "virtual_stages"):
-        _train_flag(pipe, name)
+    _add_dataclass_flags(pipe, TrainConfig, only=("pipeline_schedule", "microbatches", "virtual_stages"))
     cluster = p.add_argument_group("several processes, for --verify (as in meshlm train)")
-    for name in ("coordinator_address", "num_processes", "process_id"):
-        _train_flag(cluster, name)
+    _add_dataclass_flags(cluster, TrainConfig, only=CLUSTER_FLAGS)
     hw = p.add_argument_group("the devices")
     hw.add_argument("--hardware", default="h100", help=f"one of {', '.join(NAMES)} [default: h100]")
     hw.add_argument("--devices", type=int, help="device count [default: 8, or hosts × devices_per_host]")
@@ -54,20 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     out.add_argument("--png", metavar="PATH", help="write a chart: memory pie per mesh and predicted step time")
     return p
-
-
-def _train_flag(group, name: str) -> None:
-    """A flag `meshlm train` has, with its name, type, default and help."""
-    import typing
-
-    from meshlm.train.loop import TrainConfig
-
-    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
-    kind = typing.get_type_hints(TrainConfig)[name]
-    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-    suffix = f" [default: {f.default}]" if f.default is not None else ""
-    group.add_argument(f"--{name}", type=base, default=f.default, help=f.metadata["help"] + suffix,
-                       metavar=base.__name__.upper())
 
 
 def _pipeline(args) -> tuple[PipelineFlags, int | None]:
@@ -157,26 +141,16 @@ def run(argv: list[str]) -> int:
     n_devices, per_host = _device_count(args, CATALOG[key].devices_per_host if key in CATALOG else None)
     from meshlm.train.loop import configure_devices
 
-    cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id)
+    cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id, args.peer_timeout)
     if not (args.verify and cluster.multi_process):
         if args.verify:
             configure_devices(n_devices)  # effective only if JAX has not started yet (a fresh process)
         return _run(args, overrides, n_devices, per_host, key, cluster.process_id == 0)
-    if not distributed.is_worker():
-        return distributed.supervise(["plan", *raw], cluster)  # the work runs in a watched child
     if n_devices % cluster.num_processes:
         raise UsageError(f"--devices={n_devices} does not split over --num_processes={cluster.num_processes}")
-    configure_devices(n_devices // cluster.num_processes)  # each process brings its share of the devices
-    distributed.initialize(cluster)
-    try:
-        rc = _run(args, overrides, n_devices, per_host, key, cluster.process_id == 0)
-    except UsageError as e:  # the others may wait for this one: leave now, status 2
-        print(f"error: process {cluster.process_id}: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
-    except Exception as e:  # noqa: BLE001
-        distributed.fail_fast(e)
-    distributed.finish()
-    return rc
+    # Each process brings its share of the devices.
+    return distributed.run("plan", raw, cluster, lambda main: _run(args, overrides, n_devices, per_host, key, main),
+                           n_devices // cluster.num_processes, connect_timeout=args.connect_timeout)
 
 
 def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, prints: bool) -> int:

@@ -17,9 +17,6 @@ from collections.abc import Callable
 
 from meshlm.errors import UsageError
 
-CLUSTER_FLAGS = ("coordinator_address", "num_processes", "process_id", "peer_timeout", "connect_timeout")
-
-
 def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> None:
     g = parser.add_argument_group("model and mesh")
     g.add_argument("--checkpoint", required=True, metavar="P",
@@ -44,6 +41,7 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     """`meshlm train`'s flags for several processes: the same names, help, defaults and checks."""
     from meshlm.cli import _add_dataclass_flags
+    from meshlm.distributed import CLUSTER_FLAGS
     from meshlm.train.loop import TrainConfig
 
     g = parser.add_argument_group("several processes", "as for `meshlm train` (docs/distributed.md): process 0 "
@@ -52,32 +50,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_in_cluster(command: str, argv: list[str], args, work: Callable[[bool], int]) -> int:
-    """`work(main)`, here alone or in each of the processes the flags or the cluster's environment name.
-
-    A process of several re-runs `meshlm COMMAND ARGV` as a supervised child (meshlm.distributed),
-    joins the others, and runs `work(main=process 0)`; an error in any of them is one line and ends
-    them all, and a process that dies stops the others within --peer_timeout."""
+    """`work(main)` here alone, or in each of the processes the flags or the cluster's environment name
+    (`meshlm.distributed.run`)."""
     from meshlm import distributed
-    from meshlm.train.loop import configure_devices
 
     cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id, args.peer_timeout)
-    if cluster.multi_process and not distributed.is_worker():
-        return distributed.supervise([command, *argv], cluster)
-    configure_devices(args.devices)
-    distributed.initialize(cluster, connect_timeout=args.connect_timeout)
-    if not cluster.multi_process:
-        return work(True)
-    import jax
-
-    try:
-        status = work(jax.process_index() == 0)
-    except UsageError as e:  # the others would wait for this one: leave now, status 2
-        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
-    except Exception as e:  # noqa: BLE001  (usually a collective failing because a peer died)
-        distributed.fail_fast(e)
-    distributed.finish()
-    return status
+    return distributed.run(command, argv, cluster, work, args.devices, connect_timeout=args.connect_timeout)
 
 
 def load(args, console):
