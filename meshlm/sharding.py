@@ -182,12 +182,17 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     spec = logical_to_spec(logical, active.strategy.activations, active.mesh, active.strategy.shared)
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.manual_axes:  # inside a shard_map (pipeline stages): its mesh, auto axes only
+    context = _manual_context()
+    if context is not None:  # inside a shard_map (pipeline stages, ZeRO 0-2): its mesh, its automatic axes only
         manual = set(context.manual_axes)
-        spec = P(*(_without(entry, manual) for entry in spec))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, P(*(_without(e, manual) for e in spec))))
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
+
+
+def _manual_context():
+    """The mesh of the `shard_map` being traced when it is manual over some axes, else None."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else None
 
 
 def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
@@ -232,10 +237,9 @@ def ring_spec() -> RingSpec | None:
     table = active.strategy.activations
     # Inside a shard_map that is manual over other axes (ZeRO stages 0-2 over the data axes), the ring's
     # own shard_map must name the context's mesh, whose types say which axes are already manual.
-    context = jax.sharding.get_abstract_mesh()
-    mesh = context if not context.empty and context.manual_axes else active.mesh
+    context = _manual_context()
     return RingSpec(
-        mesh=mesh,
+        mesh=active.mesh if context is None else context,
         axis_name=axes[0],
         size=active.mesh.shape[axes[0]],
         qkv_spec=logical_to_spec(("batch", "length", "heads", "head_dim"), table, active.mesh),

@@ -91,10 +91,9 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
 
     head = {"final_norm": params["final_norm"]}
     head.update({"embed": params["embed"]} if cfg.tie_embeddings else {"lm_head": params["lm_head"]})
-    with sharding.activate(mesh, placement.strategy):  # microbatch rows over the data axes, length over sp
-        side = {k: sharding.constrain(v, (None, "batch", "length")) for k, v in mb.items()}
     staged = to_stages(params["layers"], schedule.pp, schedule.virtual)
-    with sharding.activate(mesh, placement.strategy):
+    with sharding.activate(mesh, placement.strategy):  # the stages' activations laid out as without a pipeline
+        side = {k: sharding.constrain(v, (None, "batch", "length")) for k, v in mb.items()}  # rows, length split
         loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(first_fn, stage_fn, head_fn, params["embed"], staged,
                                                                     head, side, schedule, mesh)
     grads = {"embed": g_embed + g_head.get("embed", 0.0), "layers": from_stages(g_staged),
