@@ -31,11 +31,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from meshlm.errors import UsageError
-
-# The `meshlm train` flags (TrainConfig fields) that every command run across processes takes.
-CLUSTER_FLAGS = ("coordinator_address", "num_processes", "process_id", "peer_timeout", "connect_timeout")
 
 ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
@@ -288,18 +286,23 @@ def supervise(argv: list[str], cluster: Cluster) -> int:
     return 1
 
 
-def run(command: str, argv: list[str], cluster: Cluster, work: Callable[[bool], int], local_devices: int | None,
-        connect_timeout: float = 60.0) -> int:
+def run(command: str, argv: list[str], cluster: Cluster, work: Callable[[bool], Any], local_devices: int | None,
+        connect_timeout: float = 60.0):
     """`work(main)` here alone, or in each process of the cluster: `main` is True on process 0.
 
     A process of several re-runs `meshlm COMMAND ARGV` as a supervised child (`supervise`), joins the
-    others and runs `work`; an error in any of them is one line and ends them all, and a process that
-    dies stops the others within the cluster's peer timeout. `local_devices`: this process's simulated
-    CPU devices (`--devices`), set before JAX starts."""
-    from meshlm.train.loop import configure_devices
-
+    others and runs `work` (`run_here`)."""
     if cluster.multi_process and not is_worker():
         return supervise([command, *argv], cluster)
+    return run_here(cluster, work, local_devices, connect_timeout)
+
+
+def run_here(cluster: Cluster, work: Callable[[bool], Any], local_devices: int | None, connect_timeout: float = 60.0):
+    """`work(main)` in this process, after joining the cluster: an error in any process is one line and
+    ends them all, and a process that dies stops the others within the cluster's peer timeout.
+    `local_devices`: this process's simulated CPU devices (`--devices`), set before JAX starts."""
+    from meshlm.platform import configure_devices
+
     configure_devices(local_devices)
     initialize(cluster, connect_timeout=connect_timeout)
     if not cluster.multi_process:
@@ -307,14 +310,14 @@ def run(command: str, argv: list[str], cluster: Cluster, work: Callable[[bool], 
     import jax
 
     try:
-        status = work(jax.process_index() == 0)
+        result = work(jax.process_index() == 0)
     except UsageError as e:  # the others would wait for this one: leave now, status 2
         print(f"error: process {jax.process_index()}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     except Exception as e:  # noqa: BLE001  (usually a collective failing because a peer died)
         fail_fast(e)
     finish()
-    return status
+    return result
 
 
 def fail_fast(error: BaseException) -> None:

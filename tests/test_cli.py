@@ -60,7 +60,7 @@ def test_bad_input_from_a_real_process(args, message):
 
 
 def test_help_documents_every_flag():
-    from meshlm.train.loop import TrainConfig
+    from meshlm.config import TrainConfig
     import dataclasses
 
     result = meshlm("train", "--help", timeout=60)
@@ -112,7 +112,7 @@ def test_mp_mesh_dim_prints_the_equivalent_mesh_dim(tmp_path):
 
 def test_explain_takes_every_train_flag(capsys):
     from meshlm.cli import main
-    from meshlm.train.loop import TrainConfig
+    from meshlm.config import TrainConfig
     import dataclasses
 
     with pytest.raises(SystemExit) as exit_:

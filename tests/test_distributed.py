@@ -19,7 +19,8 @@ import pytest
 from meshlm import distributed
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, resolve_hybrid, split_over_hosts
-from meshlm.train.loop import TrainConfig, train
+from meshlm.config import TrainConfig
+from meshlm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # A constant learning rate, so a run cut short at step k continues like one that was always longer.

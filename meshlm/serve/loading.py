@@ -1,8 +1,11 @@
 """A model ready to serve: weights placed on the mesh, its tokenizer and chat template.
 
-    model = load_model("outputs/run", mesh)          # a run's output_dir or one of its checkpoints
-    model = load_model("exported/", mesh)            # `meshlm export` / `meshlm convert` output
-    model = load_model("hf:Llama-3.2-1B/", mesh)     # a Hugging Face folder (the hf: prefix is optional)
+    model, job = load_model("outputs/run")                       # a run's output_dir or one of its checkpoints
+    model, job = load_model("exported/", mesh_dim="1,1,2,1")     # `meshlm export` / `meshlm convert` output
+    model, job = load_model("hf:Llama-3.2-1B/", dtype="bfloat16")  # a Hugging Face folder (hf: is optional)
+
+The mesh, the dtype and the decode batch are checked by meshlm.job.resolve_serving against the
+model's config before any weight is read.
 """
 
 from __future__ import annotations
@@ -26,15 +29,6 @@ class LoadedModel:
     chat_template: str | None = None
 
 
-def serving_dtype(dtype: str) -> str:
-    """`auto`: float32 on CPU (no fast bf16 matmuls there), bfloat16 on accelerators."""
-    from meshlm.train.loop import resolve_dtype
-
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype={dtype}: choose auto, float32, bfloat16 or float16")
-    return resolve_dtype(dtype)
-
-
 def _tokenizer_files(carried: tuple[Path, ...]) -> dict[str, Path]:
     return {f.name: f for f in carried}
 
@@ -53,20 +47,21 @@ def read_chat_template(files: dict[str, Path]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_model(checkpoint: str | Path, mesh, *, dtype: str = "auto", step: int | None = None,
-               tokenizer: str | None = None, name: str | None = None) -> LoadedModel:
-    """Weights from any source meshlm reads, each device reading only its own shards."""
+def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str = "auto",
+               max_batch: int | None = None, max_seq_len: int | None = None, step: int | None = None, tokenizer: str | None = None,
+               name: str | None = None):
+    """(LoadedModel, meshlm.job.Job): weights from any source meshlm reads, each device reading only
+    its own shards, on the mesh `mesh_dim` of the devices JAX has."""
     from meshlm.checkpoint import hf
     from meshlm.data.tokenizer import Tokenizer
-    from meshlm.models.placement import place
+    from meshlm.job import resolve_serving
 
     path = hf.parse_init_from(str(checkpoint)) if str(checkpoint).startswith("hf:") else Path(checkpoint).expanduser()
     with hf.open_source(path, step) as source:
-        compute = serving_dtype(dtype)
-        cfg = source.cfg.replace(dtype=compute, param_dtype=compute, remat="none")
-        placement = place(cfg, mesh)
-        params = source.load(placement)
+        job = resolve_serving(source.cfg, mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
+        params = source.load(job.placement)
         files = _tokenizer_files(source.carried)
+    cfg = job.model
     if tokenizer is not None:
         tok = Tokenizer.from_file(tokenizer)
         files = _tokenizer_files(tuple(p for p in Path(tok.path).parent.iterdir() if p.is_file()))
@@ -78,7 +73,7 @@ def load_model(checkpoint: str | Path, mesh, *, dtype: str = "auto", step: int |
         raise UsageError(f"the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size}; "
                          "pass the tokenizer this model was trained with (--tokenizer)")
     model_name = name or (path.name if path.name not in ("checkpoints", "") and not path.name.isdigit() else str(path))
-    return LoadedModel(cfg, placement, params, tok, model_name, read_chat_template(files))
+    return LoadedModel(cfg, job.placement, params, tok, model_name, read_chat_template(files)), job
 
 
 def random_model(cfg: ModelConfig, mesh, tokenizer, *, seed: int = 0, name: str = "random") -> LoadedModel:
@@ -89,4 +84,4 @@ def random_model(cfg: ModelConfig, mesh, tokenizer, *, seed: int = 0, name: str 
     return LoadedModel(cfg, placement, placement.init(seed), tokenizer, name)
 
 
-__all__ = ["LoadedModel", "load_model", "random_model", "serving_dtype", "read_chat_template"]
+__all__ = ["LoadedModel", "load_model", "random_model", "read_chat_template"]

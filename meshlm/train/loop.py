@@ -1,135 +1,21 @@
-"""`meshlm train`: the training loop over the library pieces (mesh, placement, state, step, data, metrics).
+"""`train(cfg)`: the training loop over the library pieces (job, state, step, data, metrics, checkpoints).
 
-`TrainConfig` is the single list of training flags: the CLI builds its parser from these fields and
-their help texts, and Python users construct it directly and call `train(cfg)`.
+`meshlm.job.resolve` turns the `TrainConfig` (meshlm.config) into a model placed on the mesh; this
+module reads the data, restores or initialises the state, runs the jitted step and logs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlm.config import TrainConfig
 from meshlm.errors import UsageError
-
-
-def _flag(default, help: str, **kw):
-    if default is dict:
-        return field(default_factory=dict, metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass
-class TrainConfig:
-    mesh_dim: str | None = _flag(None, "dp,fsdp,tp,sp sizes, e.g. 1,8,1,1 or fsdp:-1,tp:2; one may be -1 (default: all fsdp)")
-    mp_mesh_dim: str | None = _flag(None, "EasyLM form: model-parallel sizes tp,sp only; data parallelism is inferred")
-    fsdp: bool = _flag(False, "with --mp_mesh_dim: shard parameters over the data axis too (fsdp instead of dp)")
-    pp: int = _flag(1, "pipeline stages: the layers split over pp groups of devices (also pp:N in --mesh_dim); devices = pp × dp × fsdp × tp × sp")
-    pipeline_schedule: str = _flag("1f1b", "with --pp: gpipe, 1f1b (memory bounded by 2·pp microbatches) or interleaved (with --virtual_stages)")
-    microbatches: int | None = _flag(None, "with --pp: microbatches per step (default: 2·pp); the batch splits into them")
-    virtual_stages: int = _flag(1, "with --pipeline_schedule=interleaved: stages per device (the bubble shrinks by this much)")
-    strategy: str = _flag("default", "sharding preset: default, dp, fsdp, fsdp_tp, megatron, megatron_sp, fsdp_sp (tables in docs/strategies.md)")
-    zero_stage: int | None = _flag(None, "ZeRO over the axes the batch splits over: 0 replicate all, 1 shard optimizer state, 2 and gradients (reduce-scatter), 3 and parameters (default: as the preset says)")
-    sharding_rules: str | None = _flag(None, "TOML file of overrides over the preset: [logical] axes, [[rules]] regex on parameter paths -> spec, [[layers]] ranges -> preset")
-    devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only; per process)")
-    dcn_mesh_dim: str | None = _flag(None, "several hosts: how many ways each of dp,fsdp,tp,sp is split across hosts; --mesh_dim is then one host's share (default: --mesh_dim is the whole mesh, hosts over dp, then fsdp)")
-    coordinator_address: str | None = _flag(None, "several processes: HOST:PORT of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, or the cluster's own, e.g. SLURM)")
-    num_processes: int | None = _flag(None, "several processes: how many (default: $JAX_NUM_PROCESSES, or 1)")
-    process_id: int | None = _flag(None, "several processes: this one's rank, 0 .. num_processes-1 (default: $JAX_PROCESS_ID)")
-    peer_timeout: float = _flag(20.0, "several processes: stop when another process is silent for this many seconds")
-    connect_timeout: float = _flag(120.0, "several processes: how long to wait for the coordinator at start-up, in seconds")
-    model: str | None = _flag(None, "preset name or path of a Hugging Face config.json (default: tiny, or the --init_from model); fields via --model.FIELD=VALUE")
-    init_from: str | None = _flag(None, "start from these weights: hf:DIR (a Hugging Face LLaMA folder) or a meshlm convert/export folder")
-    model_overrides: dict = _flag(dict, "set by --model.FIELD=VALUE", cli=False)
-    steps: int = _flag(200, "optimizer steps to take (steps count from 1)")
-    batch_size: int = _flag(8, "global batch size in sequences (all devices, all micro-batches)")
-    seq_len: int = _flag(256, "tokens per sequence")
-    grad_accum: int = _flag(1, "micro-batches per step (gradient accumulation)")
-    lr: float = _flag(3e-4, "peak learning rate")
-    warmup_steps: int | None = _flag(None, "linear warm-up steps (default: 10%% of --steps, at most 1000)")
-    min_lr_ratio: float = _flag(0.1, "cosine decay ends at lr × this")
-    weight_decay: float = _flag(0.1, "AdamW weight decay (never applied to norm scales)")
-    clip_norm: float = _flag(1.0, "global gradient-norm clip; 0 disables")
-    dtype: str = _flag("auto", "compute dtype: auto (float32 on CPU, where it is fastest; bfloat16 on GPU/TPU), float32, bfloat16")
-    param_dtype: str = _flag("float32", "parameter and optimizer-state dtype")
-    remat: str = _flag("none", "rematerialisation policy: none, full, save_dots, save_qkv_attn")
-    dataset: str = _flag("stdlib", "stdlib (Python's own sources), synthetic, a .txt/.jsonl file, folder or glob, or hf:NAME[:split]")
-    tokenizer: str | None = _flag(None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)")
-    output_dir: str = _flag("outputs/train", "where metrics.jsonl, TensorBoard events and loss.png go")
-    log_every: int = _flag(10, "log loss, tokens/s, TFLOP/s per device and MFU every N steps")
-    seed: int = _flag(0, "seed for parameters and data order")
-    save_every: int = _flag(0, "save a checkpoint every N steps (0: only at the end); re-running resumes from the newest")
-    keep: int = _flag(3, "how many of the newest checkpoints to keep")
-    peak_tflops: float | None = _flag(None, "peak TFLOP/s per device for MFU (default: built-in table, or a matmul probe on CPU)")
-
-    def validate(self) -> None:
-        if self.save_every < 0 or self.keep <= 0:
-            raise UsageError("--save_every must be ≥ 0 and --keep ≥ 1")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"--{name}={getattr(self, name)} must be a positive integer")
-        if self.devices is not None and self.devices <= 0:
-            raise UsageError(f"--devices={self.devices} must be a positive integer")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise UsageError(f"--dtype={self.dtype}: choose auto, float32 or bfloat16")
-        if self.param_dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"--param_dtype={self.param_dtype}: choose float32 or bfloat16")
-        if self.batch_size % self.grad_accum:
-            raise UsageError(f"--batch_size={self.batch_size} is not divisible by --grad_accum={self.grad_accum}")
-
-
-def pipeline_schedule(cfg: TrainConfig, shape, n_layers: int):
-    """The `--pp` flags checked (one line each, before anything compiles) and the schedule they give."""
-    from meshlm.ops.pipeline import build_schedule, check
-
-    micro = cfg.microbatches or 2 * shape.pp
-    check(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, n_layers)
-    if cfg.grad_accum > 1:
-        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
-    if cfg.batch_size % (micro * shape.data):
-        raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
-                         f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
-    return build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
-
-
-def choose_strategy(cfg: TrainConfig, shape, n_layers: int, pipelined: bool = False):
-    """(strategy, rules) from --strategy, --zero_stage and --sharding_rules, checked against the mesh
-    and the batch before anything compiles."""
-    from meshlm.sharding import as_tuple
-    from meshlm.strategy import choose
-
-    strategy, rules = choose(cfg.strategy, cfg.zero_stage, cfg.sharding_rules)
-    if rules and rules.layers and pipelined:
-        raise UsageError(f"{cfg.sharding_rules}: [[layers]] ranges with --pp: the pipeline stages already split "
-                         "the layers; drop one of them")
-    sizes = shape.as_dict()
-    rows = cfg.batch_size // cfg.grad_accum
-    for s in (strategy, *(r.strategy for r in (rules.layers if rules else ()))):
-        axes = [a for a in as_tuple(s.activations.get("batch")) if sizes.get(a, 1) > 1]
-        ways = math.prod(sizes[a] for a in axes)
-        if rows % ways:
-            raise UsageError(f"--strategy={s.name.split('+')[0]} splits the batch over {'×'.join(axes)} = {ways} devices "
-                             f"but a step has {rows} rows; use a --batch_size that is a multiple of {ways * cfg.grad_accum}")
-    return strategy, rules
-
-
-def configure_devices(devices: int | None) -> None:
-    """`--devices=N`: N simulated CPU devices. Must run before JAX initialises its backends."""
-    import os
-
-    if devices is None:
-        return
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 class StopRequest:
@@ -154,43 +40,25 @@ class StopRequest:
         return False
 
 
-def resolve_dtype(dtype: str) -> str:
-    import jax
-
-    if dtype != "auto":
-        return dtype
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
 def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
-    """Run a training job end to end; returns a summary (first and last loss, throughput, paths)."""
-    cfg.validate()
-    configure_devices(cfg.devices)
+    """Run a training job end to end; returns a summary (first and last loss, throughput, paths).
+
+    With several processes (the cluster flags or a cluster's environment) this process joins the
+    others first; an error in any of them is one line and ends them all."""
     from meshlm import distributed
 
+    cfg.validate()
     cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
-    distributed.initialize(cluster, connect_timeout=cfg.connect_timeout)
-    if not cluster.multi_process:
-        return _train(cfg, console)
-    try:
-        summary = _train(cfg, console)
-    except UsageError as e:  # the others would wait for this one in a collective: leave now, status 2
-        print(f"error: process {cluster.process_id}: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
-    except Exception as e:  # noqa: BLE001  (a collective failing under us: usually a peer died)
-        distributed.fail_fast(e)
-    distributed.finish()
-    return summary
+    return distributed.run_here(cluster, lambda _main: _train(cfg, console), cfg.devices, cfg.connect_timeout)
 
 
 def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     import jax
     from rich.console import Console
 
-    from meshlm import data, mesh as meshlib
+    from meshlm import data, job as joblib
     from meshlm.checkpoint.manager import Checkpointer
-    from meshlm.models.configs import apply_overrides, describe, resolve_model
-    from meshlm.models.placement import place
+    from meshlm.models.configs import describe
     from meshlm.train import metrics as M
     from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
@@ -198,45 +66,17 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
 
     is_main = jax.process_index() == 0  # logs, progress and files come from process 0 only
     console = console or Console(quiet=not is_main)
-    init_source = None
-    if cfg.init_from:
-        from meshlm.checkpoint.hf import parse_init_from, read_model_config
-
-        init_source = parse_init_from(cfg.init_from)
-    if cfg.model or init_source is None:
-        model_cfg = resolve_model(cfg.model or "tiny", cfg.model_overrides)
-    else:
-        model_cfg = apply_overrides(read_model_config(init_source), cfg.model_overrides)
-    model_cfg = model_cfg.replace(dtype=resolve_dtype(cfg.dtype), param_dtype=cfg.param_dtype, remat=cfg.remat)
+    # Every check that needs no data, before any data is read: model, mesh, pipeline, strategy, layouts.
+    job = joblib.resolve(cfg)
+    model_cfg, shape, dcn, pipeline, init_source = job.model, job.shape, job.dcn, job.pipeline, job.init_source
+    strategy, rules, placement = job.strategy, job.rules, job.placement
+    if cfg.mp_mesh_dim:
+        console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
     tokenizer_spec = cfg.tokenizer
     if tokenizer_spec is None and init_source is not None:
         found = [d for d in (init_source, init_source / "tokenizer") if (d / "tokenizer.json").is_file()]
         tokenizer_spec = str(found[0]) if found else None
     n_devices = jax.device_count()
-    shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim, n_devices,
-                                        jax.process_count(), cfg.pp)
-    pipeline = pipeline_schedule(cfg, shape, model_cfg.n_layers) if shape.pp > 1 else None
-    if cfg.mp_mesh_dim:
-        console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
-    meshlib.validate_mesh_shape(
-        shape, batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_heads=model_cfg.n_heads,
-        n_kv_heads=model_cfg.n_kv_heads, mlp_dim=model_cfg.mlp_dim, vocab_size=model_cfg.vocab_size,
-    )
-    if (cfg.batch_size // cfg.grad_accum) % shape.data:
-        raise UsageError(
-            f"--batch_size={cfg.batch_size} / --grad_accum={cfg.grad_accum} = {cfg.batch_size // cfg.grad_accum} "
-            f"rows per micro-batch is not divisible by dp×fsdp = {shape.data}"
-        )
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise UsageError(f"--seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}; "
-                         "raise --model.max_seq_len or shorten --seq_len")
-
-    # The strategy and every parameter's layout are checked before any data is read.
-    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers, pipeline is not None)
-    if init_source is not None and rules and rules.layers:
-        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
-    mesh = meshlib.build_mesh(shape, dcn=dcn)
-    placement = place(model_cfg, mesh, strategy, rules)
     tokenizer = data.load_tokenizer(tokenizer_spec, cfg.dataset, model_cfg.vocab_size)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UsageError(

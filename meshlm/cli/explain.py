@@ -1,7 +1,5 @@
-"""`meshlm explain [every meshlm train flag] [--tensor=PATH] [--png=FILE] [--json]`.
-
-Builds the placement and compiles the train step exactly as `meshlm train` would, without data or
-training, and prints what came out (see `meshlm.explain.analysis`)."""
+"""`meshlm explain [every meshlm train flag] [--tensor=PATH] [--png=FILE] [--json]`: the report of
+meshlm.explain.report, printed as tables (or as one JSON document)."""
 
 from __future__ import annotations
 
@@ -9,19 +7,17 @@ import json
 import sys
 from collections import defaultdict
 
+from meshlm.cli.flags import Parser, add_section_flags, split_model_overrides, train_config
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def _parser():
-    from meshlm.cli import _Parser, _add_dataclass_flags
-    from meshlm.train.loop import TrainConfig
-
-    p = _Parser(prog="meshlm explain", description="Show the parameter layouts, memory and collectives of a "
-                "strategy's train step (takes every meshlm train flag).")
-    _add_dataclass_flags(p, TrainConfig)
+def parser() -> Parser:
+    p = Parser(prog="meshlm explain", description="Show the parameter layouts, memory and collectives of a "
+               "strategy's train step (takes every meshlm train flag).")
+    add_section_flags(p)
     out = p.add_argument_group("explain")
     out.add_argument("--tensor", metavar="PATH", help="draw how this parameter lies on the devices [default: the "
                      "first layer group's mlp/gate]")
@@ -31,83 +27,20 @@ def _parser():
 
 
 def run(argv: list[str]) -> int:
-    from meshlm.cli import _split_model_overrides
-    from meshlm.train.loop import TrainConfig
+    from meshlm.platform import configure_devices
 
-    argv, overrides = _split_model_overrides(argv)
-    args = vars(_parser().parse_args(argv))
-    tensor, png, as_json = args.pop("tensor"), args.pop("png"), args.pop("json")
-    cfg = TrainConfig(**args, model_overrides=overrides)
-    cfg.validate()
-    from meshlm.train.loop import configure_devices
-
+    argv, overrides = split_model_overrides(argv)
+    args = parser().parse_args(argv)
+    cfg = train_config(args, overrides, drop=("tensor", "png", "json"))
     configure_devices(cfg.devices)
-    report = explain(cfg, tensor, png)
-    if as_json:
+    from meshlm.explain.report import explain
+
+    report = explain(cfg, args.tensor, args.png)
+    if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
         print_report(report)
     return 0
-
-
-def explain(cfg, tensor: str | None = None, png: str | None = None, keep: dict | None = None) -> dict:
-    """Everything `meshlm explain` shows, as one dict (specs and shapes as text); `keep`, when given, receives
-    the placement, the compiled step, the abstract batch and the pipeline schedule (None without --pp)."""
-    import jax
-    import numpy as np
-
-    from meshlm import mesh as meshlib
-    from meshlm.explain import analysis as A, pipeline as PL
-    from meshlm.models.configs import resolve_model
-    from meshlm.models.placement import place
-    from meshlm.train.loop import choose_strategy, pipeline_schedule, resolve_dtype
-    from meshlm.train.optimizer import OptimizerConfig, make_optimizer
-    from meshlm.train.state import abstract_state
-    from meshlm.train.step import abstract_batch, compile_step, make_train_step
-
-    model_cfg = resolve_model(cfg.model or "tiny", cfg.model_overrides).replace(
-        dtype=resolve_dtype(cfg.dtype), param_dtype=cfg.param_dtype, remat=cfg.remat)
-    shape = meshlib.resolve_mesh_shape(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, jax.device_count(), cfg.pp)
-    pipeline = pipeline_schedule(cfg, shape, model_cfg.n_layers) if shape.pp > 1 else None
-    meshlib.validate_mesh_shape(shape, batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_heads=model_cfg.n_heads,
-                                n_kv_heads=model_cfg.n_kv_heads, mlp_dim=model_cfg.mlp_dim, vocab_size=model_cfg.vocab_size)
-    strategy, rules = choose_strategy(cfg, shape, model_cfg.n_layers, pipeline is not None)
-    placement = place(model_cfg, meshlib.build_mesh(shape, jax.devices()[: shape.n_devices]), strategy, rules)
-    rows = A.param_rows(placement)
-    tensor = tensor or next((r["path"] for r in rows if r["path"].endswith("mlp/gate")), rows[0]["path"])
-    picture = A.picture(placement, tensor)
-    optimizer = make_optimizer(OptimizerConfig(clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay))
-    if pipeline is None:
-        step, grads, batch = compile_step(placement, optimizer, cfg.batch_size, cfg.seq_len, cfg.grad_accum)
-    else:  # the pipelined step; its gradients are read from their layouts (one compile, not two)
-        state, batch = abstract_state(placement, optimizer), abstract_batch(placement, cfg.batch_size, cfg.seq_len)
-        step, grads = make_train_step(placement, optimizer, pipeline=pipeline).lower(state, batch).compile(), None
-    found = A.collectives(step.as_text(), placement)
-    report = {
-        "mesh_dim": str(shape), "pp": shape.pp, "strategy": strategy.name,
-        "groups": [{"layers": g.key, "strategy": g.strategy.name} for g in placement.groups],
-        "parameters": [{**r, "shape": list(r["shape"]), **{k: str(r[k]) for k in ("spec", "grad_spec", "opt_spec")}}
-                       for r in rows],
-        "memory": A.state_memory(placement, step, grads, batch),
-        "collectives": [dict(kind=c.kind, axes=list(c.axes), payload_bytes=c.payload_bytes, count=c.count,
-                             total_bytes=c.total_bytes, where=c.where, role=PL.role(c)) for c in found],
-        "boundaries": [{**b, "spec_before": str(b["spec_before"]), "spec_after": str(b["spec_after"]),
-                        "forward": [c.__dict__ for c in b["forward"]], "backward": [c.__dict__ for c in b["backward"]]}
-                       for b in A.boundaries(placement, cfg.batch_size // cfg.grad_accum, cfg.seq_len)],
-        "tensor": tensor, "picture": picture,
-    }
-    if pipeline is not None:
-        mb_shape = (cfg.batch_size // pipeline.microbatches, cfg.seq_len, model_cfg.d_model)
-        moves = PL.transfers(found, pipeline, mb_shape, np.dtype(model_cfg.dtype).itemsize)
-        report["pipeline"] = {
-            "schedule": PL.describe(pipeline), "stages": PL.stage_layout(placement, pipeline),
-            "memory": PL.stage_memory(step, state, batch, moves["per_device_bytes"], pipeline), "transfers": moves,
-        }
-    if png:
-        report["png"] = str(A.write_png(placement, tensor, png))
-    if keep is not None:  # the compiled objects themselves, for callers that read further (tests)
-        keep.update(placement=placement, step=step, batch=batch, schedule=pipeline)
-    return report
 
 
 def print_report(r: dict, file=None) -> None:

@@ -1,4 +1,5 @@
-"""`meshlm generate` and `meshlm serve`: load a model onto a mesh, then stream text or serve HTTP.
+"""`meshlm generate` and `meshlm serve`: load a model onto a mesh (meshlm.serve.loading, checked by
+meshlm.job.resolve_serving), then stream text or serve HTTP (meshlm.serve).
 
 Across several processes (the cluster flags of `meshlm train`, or a cluster's environment) every
 process loads its shards of the weights and compiles the same engine; process 0 takes the prompt or
@@ -15,7 +16,12 @@ import sys
 import time
 from collections.abc import Callable
 
+from meshlm.cli.flags import Parser, add_cluster_flags
 from meshlm.errors import UsageError
+
+CLUSTER_HELP = ("as for `meshlm train` (docs/distributed.md): process 0 takes the work and schedules every step, "
+                "the others run the same steps")
+
 
 def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> None:
     g = parser.add_argument_group("model and mesh")
@@ -38,17 +44,6 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
                    help="prompt lengths that get a compiled prefill [default: 32, 64, ... up to max_seq_len]")
 
 
-def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """`meshlm train`'s flags for several processes: the same names, help, defaults and checks."""
-    from meshlm.cli import _add_dataclass_flags
-    from meshlm.distributed import CLUSTER_FLAGS
-    from meshlm.train.loop import TrainConfig
-
-    g = parser.add_argument_group("several processes", "as for `meshlm train` (docs/distributed.md): process 0 "
-                                  "takes the work and schedules every step, the others run the same steps")
-    _add_dataclass_flags(g, TrainConfig, only=CLUSTER_FLAGS)
-
-
 def run_in_cluster(command: str, argv: list[str], args, work: Callable[[bool], int]) -> int:
     """`work(main)` here alone, or in each of the processes the flags or the cluster's environment name
     (`meshlm.distributed.run`)."""
@@ -59,29 +54,23 @@ def run_in_cluster(command: str, argv: list[str], args, work: Callable[[bool], i
 
 
 def load(args, console):
-    """Devices, mesh and weights, reporting each step: (LoadedModel, MeshShape)."""
+    """Devices, mesh and weights, reporting each step: (LoadedModel, meshlm.job.Job)."""
     import jax
 
-    from meshlm import mesh as meshlib
     from meshlm.serve.loading import load_model
 
-    n, hosts = jax.device_count(), jax.process_count()
-    shape = meshlib.parse_mesh_dim(args.mesh_dim, n)
-    dcn = meshlib.split_over_hosts(shape, hosts) if hosts > 1 else None  # hosts over dp first, as in training
-    mesh = meshlib.build_mesh(shape, dcn=dcn)
-    if dcn is not None:
-        console.print(f"{hosts} processes × {jax.local_device_count()} devices; across hosts --dcn_mesh_dim={dcn} "
-                      f"({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})")
+    n = jax.device_count()
     t0 = time.perf_counter()
-    with console.status(f"loading {args.checkpoint} onto --mesh_dim={shape} ({n} {jax.devices()[0].platform})"):
-        model = load_model(args.checkpoint, mesh, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer)
+    with console.status(f"loading {args.checkpoint} onto --mesh_dim={args.mesh_dim} ({n} {jax.devices()[0].platform})"):
+        model, job = load_model(args.checkpoint, mesh_dim=args.mesh_dim, dtype=args.dtype, max_batch=args.max_batch,
+                                max_seq_len=args.max_seq_len, step=args.step, tokenizer=args.tokenizer)
+    if job.dcn is not None:
+        console.print(f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
+                      f"--dcn_mesh_dim={job.dcn} ({', '.join(f'{k}={v}' for k, v in job.dcn.as_dict().items() if v > 1)})")
     cfg = model.cfg
-    meshlib.validate_mesh_shape(shape, batch_size=args.max_batch or shape.data, seq_len=2 * shape.sp,
-                                n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, mlp_dim=cfg.mlp_dim,
-                                vocab_size=cfg.vocab_size)
     console.print(f"loaded {model.name} ({cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}) in "
-                  f"{time.perf_counter() - t0:.1f} s on --mesh_dim={shape}")
-    return model, shape
+                  f"{time.perf_counter() - t0:.1f} s on --mesh_dim={job.shape}")
+    return model, job.shape
 
 
 def build_engine(model, shape, args, console, max_seq_len=None, buckets=None):
@@ -106,11 +95,10 @@ def build_engine(model, shape, args, console, max_seq_len=None, buckets=None):
 def generate(argv: list[str]) -> int:
     from rich.console import Console
 
-    from meshlm.cli import _Parser
     from meshlm.serve.engine import GenerationRequest
     from meshlm.serve.sampling import SamplingParams
 
-    parser = _Parser(prog="meshlm generate", description="Stream a completion of one prompt to the terminal.")
+    parser = Parser(prog="meshlm generate", description="Stream a completion of one prompt to the terminal.")
     add_model_flags(parser, max_batch=None)
     g = parser.add_argument_group("generation")
     g.add_argument("--prompt", required=True, help="the text to continue; - reads it from standard input")
@@ -120,7 +108,7 @@ def generate(argv: list[str]) -> int:
     g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens [default: 0, off]")
     g.add_argument("--seed", type=int, help="makes sampling repeatable")
     g.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
-    add_cluster_flags(parser)
+    add_cluster_flags(parser, CLUSTER_HELP)
     args = parser.parse_args(argv)
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -191,9 +179,7 @@ def _stream(engine, request, prompt: str, err) -> None:
 def serve(argv: list[str]) -> int:
     from rich.console import Console
 
-    from meshlm.cli import _Parser
-
-    parser = _Parser(prog="meshlm serve", description="An OpenAI-compatible HTTP API and a chat page.")
+    parser = Parser(prog="meshlm serve", description="An OpenAI-compatible HTTP API and a chat page.")
     add_model_flags(parser, max_batch=16)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it [default: 127.0.0.1]")
@@ -202,7 +188,7 @@ def serve(argv: list[str]) -> int:
     g.add_argument("--api_key", default=os.environ.get("MESHLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]")
     g.add_argument("--model_name", help="the model id clients send and /v1/models lists [default: the folder name]")
-    add_cluster_flags(parser)
+    add_cluster_flags(parser, CLUSTER_HELP)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} must be between 1 and 65535")

@@ -4,7 +4,8 @@
     meshlm plan --model=tiny --devices=8 --hardware=cpu --verify=3 --png=outputs/plan.png
     meshlm plan --model=llama3-8b --devices=64 --hardware=tpu-v5p --json > plan.json
 
-Flags shared with `meshlm train` keep its names and meanings. Bad input is one `UsageError` line.
+The job's flags are `meshlm train`'s (the same sections of meshlm.config, checked by meshlm.job);
+the search, the cost model and the compile check live in meshlm.plan.
 """
 
 from __future__ import annotations
@@ -13,34 +14,30 @@ import argparse
 import json
 import sys
 
+from meshlm import config
+from meshlm.cli.flags import Parser, add_cluster_flags, add_dataclass_flags, split_model_overrides
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
-from meshlm.plan.pipeline import PipelineFlags
+
+# Flags of plan's own; every other flag is a TrainConfig field.
+PLAN_FLAGS = ("pp", "optimizer", "hardware", "devices", "hosts", "devices_per_host", "top", "verify", "json", "png")
 
 
-def _parser() -> argparse.ArgumentParser:
-    from meshlm.cli import _Parser, _add_dataclass_flags
+def parser() -> argparse.ArgumentParser:
     from meshlm.plan.hardware import NAMES
-    from meshlm.distributed import CLUSTER_FLAGS
-    from meshlm.train.loop import TrainConfig
 
-    p = _Parser(prog="meshlm plan", description="Rank every dp,fsdp,tp,sp mesh of the devices for one training job.")
+    p = Parser(prog="meshlm plan", description="Rank every dp,fsdp,tp,sp mesh of the devices for one training job.")
     job = p.add_argument_group("the job (as in meshlm train)")
-    job.add_argument("--model", default="tiny", help="preset or Hugging Face config.json; fields via --model.FIELD=VALUE [default: tiny]")
-    job.add_argument("--batch_size", type=int, default=8, help="global batch size in sequences [default: 8]")
-    job.add_argument("--seq_len", type=int, default=256, help="tokens per sequence [default: 256]")
-    job.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step [default: 1]")
-    job.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on cpu, else bfloat16), float32, bfloat16")
-    job.add_argument("--param_dtype", default="float32", help="parameter and optimizer-state dtype [default: float32]")
-    job.add_argument("--remat", default="none", help="none, full, save_dots, save_qkv_attn [default: none]")
+    add_dataclass_flags(job, config.ModelSection, only=("model", "init_from"))
+    add_dataclass_flags(job, config.BatchConfig)
+    add_dataclass_flags(job, config.PrecisionConfig)
     job.add_argument("--optimizer", default="adamw", help="adamw (meshlm train's optimizer) [default: adamw]")
     job.add_argument("--mesh_dim", help="evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)")
     pipe = p.add_argument_group("pipeline stages (as in meshlm train)")
     pipe.add_argument("--pp", default="1", help="pipeline stages, or auto: also plan every pp that divides the devices "
                                                 "and the layers [default: 1]")
-    _add_dataclass_flags(pipe, TrainConfig, only=("pipeline_schedule", "microbatches", "virtual_stages"))
-    cluster = p.add_argument_group("several processes, for --verify (as in meshlm train)")
-    _add_dataclass_flags(cluster, TrainConfig, only=CLUSTER_FLAGS)
+    add_dataclass_flags(pipe, config.PipelineConfig, only=("pipeline_schedule", "microbatches", "virtual_stages"))
+    add_cluster_flags(p, "for --verify, as in meshlm train")
     hw = p.add_argument_group("the devices")
     hw.add_argument("--hardware", default="h100", help=f"one of {', '.join(NAMES)} [default: h100]")
     hw.add_argument("--devices", type=int, help="device count [default: 8, or hosts × devices_per_host]")
@@ -57,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 def _pipeline(args) -> tuple[PipelineFlags, int | None]:
     """The pipeline flags and --pp (None for auto), checked as `meshlm train` checks them."""
     from meshlm.ops.pipeline import check
+    from meshlm.plan.pipeline import PipelineFlags
 
     flags = PipelineFlags(args.pipeline_schedule, args.microbatches, args.virtual_stages)
     if args.pp == "auto":
@@ -74,7 +72,7 @@ def _pipeline(args) -> tuple[PipelineFlags, int | None]:
     return flags, pp
 
 
-def _check_pipeline(flags: PipelineFlags, pp: int, n_layers: int, batch_size: int, grad_accum: int) -> None:
+def _check_pipeline(flags, pp: int, n_layers: int, batch_size: int, grad_accum: int) -> None:
     """`meshlm train`'s checks of the pipeline flags, on the mesh's pp alone (the data axes come later)."""
     from meshlm.plan.pipeline import problem
 
@@ -106,22 +104,6 @@ def _device_count(args, per_host_default: int | None) -> tuple[int, int | None]:
     return total, per_host
 
 
-def _check(args) -> None:
-    for name in ("batch_size", "seq_len", "grad_accum", "top"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name}={getattr(args, name)} must be a positive integer")
-    if args.verify < 0:
-        raise UsageError(f"--verify={args.verify} must be ≥ 0 (the number of plans to compile)")
-    if args.batch_size % args.grad_accum:
-        raise UsageError(f"--batch_size={args.batch_size} is not divisible by --grad_accum={args.grad_accum}")
-    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype={args.dtype}: choose auto, float32 or bfloat16")
-    if args.param_dtype not in ("float32", "bfloat16"):
-        raise UsageError(f"--param_dtype={args.param_dtype}: choose float32 or bfloat16")
-    if args.optimizer != "adamw":
-        raise UsageError(f"--optimizer={args.optimizer}: meshlm trains with adamw only")
-
-
 def run(argv: list[str]) -> int:
     """Parse flags, plan, print; raises UsageError for bad input (the CLI prints it and exits 2).
 
@@ -129,45 +111,43 @@ def run(argv: list[str]) -> int:
     runs this in a supervised child, joins `jax.distributed` and compiles over all processes' devices;
     process 0 prints."""
     from meshlm import distributed
-    from meshlm.cli import _split_model_overrides
-
-    raw = list(argv)
-    argv, overrides = _split_model_overrides(list(argv))
-    args = _parser().parse_args(argv)
-    _check(args)
+    from meshlm.platform import configure_devices
     from meshlm.plan.hardware import CATALOG, hardware_key
 
+    raw = list(argv)
+    argv, overrides = split_model_overrides(list(argv))
+    args = parser().parse_args(argv)
+    cfg = config.TrainConfig(**{k: v for k, v in vars(args).items() if k not in PLAN_FLAGS}, model_overrides=overrides)
+    cfg.validate()
+    if args.top <= 0:
+        raise UsageError(f"--top={args.top} must be a positive integer")
+    if args.verify < 0:
+        raise UsageError(f"--verify={args.verify} must be ≥ 0 (the number of plans to compile)")
+    if args.optimizer != "adamw":
+        raise UsageError(f"--optimizer={args.optimizer}: meshlm trains with adamw only")
     key = hardware_key(args.hardware)
     n_devices, per_host = _device_count(args, CATALOG[key].devices_per_host if key in CATALOG else None)
-    from meshlm.train.loop import configure_devices
-
     cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id, args.peer_timeout)
     if not (args.verify and cluster.multi_process):
         if args.verify:
             configure_devices(n_devices)  # effective only if JAX has not started yet (a fresh process)
-        return _run(args, overrides, n_devices, per_host, key, cluster.process_id == 0)
+        return _run(args, cfg, overrides, n_devices, per_host, key, cluster.process_id == 0)
     if n_devices % cluster.num_processes:
         raise UsageError(f"--devices={n_devices} does not split over --num_processes={cluster.num_processes}")
     # Each process brings its share of the devices.
-    return distributed.run("plan", raw, cluster, lambda main: _run(args, overrides, n_devices, per_host, key, main),
+    return distributed.run("plan", raw, cluster, lambda main: _run(args, cfg, overrides, n_devices, per_host, key, main),
                            n_devices // cluster.num_processes, connect_timeout=args.connect_timeout)
 
 
-def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, prints: bool) -> int:
+def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None, key: str, prints: bool) -> int:
+    from meshlm import job as joblib
     from meshlm.mesh import resolve_mesh_shape
-    from meshlm.models.configs import resolve_model
-    from meshlm.models.llama import REMAT_POLICIES
     from meshlm.plan import report, search
     from meshlm.plan.hardware import resolve_hardware
     from meshlm.plan.job import Job
 
-    if args.remat not in REMAT_POLICIES:
-        raise UsageError(f"--remat={args.remat}: choose one of {', '.join(REMAT_POLICIES)}")
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if key == "cpu" else "bfloat16")
-    cfg = resolve_model(args.model, overrides).replace(dtype=dtype, param_dtype=args.param_dtype, remat=args.remat)
-    if args.seq_len > cfg.max_seq_len:
-        raise UsageError(f"--seq_len={args.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
-                         "raise --model.max_seq_len or shorten --seq_len")
+    cfg, _ = joblib.resolve_model(train_cfg, backend=key if key == "cpu" else "accelerator")
+    dtype = cfg.dtype
     flags, pp = _pipeline(args)
     only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices, pp) if args.mesh_dim else None
     if only is not None:
@@ -176,6 +156,8 @@ def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, 
         resolve_mesh_shape(None, None, False, n_devices, pp)  # train's check that pp divides the devices
     if pp is not None:
         _check_pipeline(flags, pp, cfg.n_layers, args.batch_size, args.grad_accum)
+    if only is not None:  # the mesh the user named gets train's checks and train's messages
+        joblib.check_mesh(train_cfg, only, cfg)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
     job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum, flags)
     pps = search.auto_pps(job) if pp is None else (pp,)
@@ -187,7 +169,9 @@ def _run(args, overrides: dict, n_devices: int, per_host: int | None, key: str, 
         verify(job, plans, args.verify, hw.name)
     if not prints:
         return 0
-    model_flags = [f"--model={args.model}", *(f"--model.{k}={v}" for k, v in overrides.items())]
+    model_flags = [*([f"--model={args.model or 'tiny'}"] if args.model or not args.init_from else []),
+                   *([f"--init_from={args.init_from}"] if args.init_from else []),
+                   *(f"--model.{k}={v}" for k, v in overrides.items())]
     if args.png:
         path = report.write_png(args.png, job, hw, plans, args.top)
     if args.json:

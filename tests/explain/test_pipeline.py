@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from meshlm.cli import main
-from meshlm.explain.cli import explain, print_report
+from meshlm.cli.explain import print_report
+from meshlm.explain.report import compile_step, explain
+from meshlm.job import resolve
 from meshlm.ops.pipeline import FWD, BWD, build_schedule
 from meshlm.plan.hlo import parse_collectives
-from meshlm.train.loop import TrainConfig
+from meshlm.config import TrainConfig
 from tests.test_cli import meshlm
 
 BASE = dict(model="test", model_overrides={"n_layers": "4"}, batch_size=8, seq_len=32, dtype="float32")
@@ -25,11 +27,14 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request):
     flags = CASES[request.param]
-    keep = {}
-    report = explain(TrainConfig(**BASE, **flags), keep=keep)
+    cfg = TrainConfig(**BASE, **flags)
+    job = resolve(cfg)
+    compiled = compile_step(job, cfg)
+    report = explain(cfg, job=job, compiled=compiled)
     text = io.StringIO()
     print_report(report, file=text)
-    return dict(flags=flags, report=report, text=text.getvalue(), **keep)
+    return dict(flags=flags, report=report, text=text.getvalue(), placement=job.placement, step=compiled.step,
+                batch=compiled.batch, schedule=job.pipeline)
 
 
 def test_stage_layout(case):

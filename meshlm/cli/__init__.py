@@ -1,0 +1,53 @@
+"""`meshlm <command> [flags]`: one module per command, each parsing its flags, calling the library
+(the job layer in meshlm.job, then the command's own package) and printing.
+
+Bad input never reaches JAX: it is a one-line `error: ...` naming the fix, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from meshlm.errors import UsageError
+
+# command -> (module in meshlm.cli, function, one line for `meshlm --help`)
+COMMANDS = {
+    "train": ("train", "run", "train a model on a dp,fsdp,tp,sp(,pp) mesh"),
+    "explain": ("explain", "run", "show the layouts, memory and collectives of a strategy's train step"),
+    "plan": ("plan", "run", "rank the meshes for a training job, and check the best by compiling"),
+    "generate": ("serve", "generate", "stream a completion of one prompt to the terminal"),
+    "serve": ("serve", "serve", "an OpenAI-compatible HTTP API and a chat page"),
+    "convert": ("convert", "convert", "Hugging Face LLaMA weights in (--from_hf) or out (--to_hf)"),
+    "export": ("convert", "export", "a checkpoint's parameters only, for serving"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {line}" for name, (_, _, line) in COMMANDS.items()]
+    return "usage: meshlm COMMAND [flags]   (meshlm COMMAND --help for its flags)\n\ncommands:\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module, function, _ = COMMANDS[command]
+    try:
+        return getattr(importlib.import_module(f"meshlm.cli.{module}"), function)(rest)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

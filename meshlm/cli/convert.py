@@ -1,0 +1,44 @@
+"""`meshlm convert` (Hugging Face weights in or out) and `meshlm export` (a checkpoint's parameters only)."""
+
+from __future__ import annotations
+
+from meshlm.cli.flags import Parser
+from meshlm.errors import UsageError
+
+
+def convert(argv: list[str]) -> int:
+    from meshlm.checkpoint import hf
+
+    parser = Parser(prog="meshlm convert", description="Hugging Face LLaMA weights in (--from_hf) or out (--to_hf).")
+    parser.add_argument("--from_hf", metavar="DIR", help="a LlamaForCausalLM folder (config.json + *.safetensors) to import")
+    parser.add_argument("--out", metavar="P", help="with --from_hf: the meshlm params folder to write")
+    parser.add_argument("--to_hf", metavar="DIR", help="the Hugging Face folder to write (config.json + safetensors)")
+    parser.add_argument("--checkpoint", metavar="P", help="with --to_hf: a params folder, a run's output_dir or a checkpoint")
+    parser.add_argument("--step", type=int, help="with --to_hf: which training checkpoint step (default: newest)")
+    parser.add_argument("--dtype", help="cast weights to float32, bfloat16 or float16 (default: keep)")
+    args = parser.parse_args(argv)
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise UsageError("give exactly one of --from_hf=DIR --out=P or --to_hf=DIR --checkpoint=P")
+    if args.from_hf:
+        if not args.out:
+            raise UsageError("--from_hf needs --out=P, the folder to write")
+        path = hf.convert_from_hf(args.from_hf, args.out, args.dtype)
+    else:
+        if not args.checkpoint:
+            raise UsageError("--to_hf needs --checkpoint=P, what to convert")
+        path = hf.convert_to_hf(args.checkpoint, args.to_hf, args.dtype, step=args.step)
+    print(f"wrote {path}")
+    return 0
+
+
+def export(argv: list[str]) -> int:
+    from meshlm.checkpoint.export import export_params
+
+    parser = Parser(prog="meshlm export", description="Write a checkpoint's parameters only (for serving), in the compute dtype.")
+    parser.add_argument("--checkpoint", metavar="D", required=True, help="a run's output_dir, its checkpoints/ or checkpoints/N")
+    parser.add_argument("--out", metavar="P", required=True, help="the params folder to write")
+    parser.add_argument("--step", type=int, help="which checkpoint step (default: newest)")
+    parser.add_argument("--dtype", help="override the dtype (default: the model's compute dtype)")
+    args = parser.parse_args(argv)
+    print(f"wrote {export_params(args.checkpoint, args.out, args.dtype, args.step)}")
+    return 0

@@ -1,0 +1,83 @@
+"""The command-line parser every `meshlm` command uses, and flags built from `meshlm.config` sections.
+
+    parser = Parser(prog="meshlm train", description="...")
+    add_section_flags(parser, TrainConfig)                   # every section, one help group each
+    add_section_flags(parser, ClusterConfig, title="...")    # one section
+    argv, overrides = split_model_overrides(argv)            # --model.FIELD=VALUE
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from meshlm import config
+from meshlm.errors import UsageError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one `UsageError` line naming `--help` (exit code 2 in `main`)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `meshlm {self.prog.split()[-1]} --help`)")
+
+
+def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None) -> None:
+    """A flag per field of `cls` (or only the fields named in `only`), with its help text and default."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True) or (only is not None and f.name not in only):
+            continue
+        kind = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "") + (f" [default: {default}]" if default not in (None, False) else "")
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", action="store_true", help=help_text)
+            continue
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        parser.add_argument(f"--{f.name}", type=base, default=default, help=help_text, metavar=base.__name__.upper())
+
+
+def add_section_flags(parser: argparse.ArgumentParser, cls=config.TrainConfig, title: str | None = None,
+                      only: tuple[str, ...] | None = None) -> None:
+    """The flags of `cls`: a `meshlm.config` section (one help group), or `TrainConfig` (one group per
+    section, in `config.SECTIONS` order)."""
+    sections = [(name, s) for name, s in config.SECTIONS.items() if issubclass(cls, s)] if cls is config.TrainConfig \
+        else [(title, cls)]
+    for name, section in sections:
+        group = parser.add_argument_group(title if cls is not config.TrainConfig else name,
+                                          (section.__doc__ or "").strip() or None)
+        add_dataclass_flags(group, section, only)
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser, description: str | None = None) -> None:
+    """`meshlm train`'s flags for several processes: the same names, help, defaults and checks."""
+    group = parser.add_argument_group("several processes", description or config.ClusterConfig.__doc__.strip())
+    add_dataclass_flags(group, config.ClusterConfig)
+
+
+def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Pull `--model.FIELD=VALUE` (or `--model.FIELD VALUE`) out of argv."""
+    rest, overrides, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--model."):
+            key, eq, value = arg[len("--model."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UsageError(f"{arg} needs a value, e.g. {arg}=4")
+                value, i = argv[i + 1], i + 1
+            overrides[key] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def train_config(args: argparse.Namespace, overrides: dict, drop: tuple[str, ...] = ()) -> config.TrainConfig:
+    """A checked TrainConfig from parsed flags (leaving out the command's own flags in `drop`)."""
+    values = {k: v for k, v in vars(args).items() if k not in drop}
+    cfg = config.TrainConfig(**values, model_overrides=overrides)
+    cfg.validate()
+    return cfg

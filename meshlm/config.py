@@ -1,0 +1,201 @@
+"""A run's settings, in sections: mesh, cluster, model, pipeline, batch, precision, optimizer, data,
+checkpoint and logging.
+
+Each section is a dataclass whose fields are the command-line flags (a field's `help` metadata is
+its help text, `cli=False` keeps it off the command line) and whose `check` finds bad values before
+anything else runs. `TrainConfig` is their composition, one flat object: `cfg.batch_size`,
+`cfg.mesh_dim`, ... The commands build their parsers from the sections they take
+(`meshlm.cli.flags.add_section_flags`); Python users construct `TrainConfig(...)` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from meshlm.errors import UsageError
+
+# Compute dtypes a flag may name; `auto` is float32 on CPU, bfloat16 on accelerators (meshlm.platform).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PARAM_DTYPES = ("float32", "bfloat16")
+# Rematerialisation policies (meshlm.models.llama.REMAT_POLICIES implements them).
+REMAT = ("none", "full", "save_dots", "save_qkv_attn")
+
+
+def _flag(default, help: str, **kw):
+    if default is dict:
+        return field(default_factory=dict, metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def check_dtype(value: str, flag: str = "--dtype") -> None:
+    if value not in DTYPES:
+        raise UsageError(f"{flag}={value}: choose {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
+
+
+def check_positive(cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name}={value} must be a positive integer")
+
+
+@dataclass
+class MeshConfig:
+    """Which mesh and which layout of the model on it."""
+
+    mesh_dim: str | None = _flag(None, "dp,fsdp,tp,sp sizes, e.g. 1,8,1,1 or fsdp:-1,tp:2; one may be -1 (default: all fsdp)")
+    mp_mesh_dim: str | None = _flag(None, "EasyLM form: model-parallel sizes tp,sp only; data parallelism is inferred")
+    fsdp: bool = _flag(False, "with --mp_mesh_dim: shard parameters over the data axis too (fsdp instead of dp)")
+    strategy: str = _flag("default", "sharding preset: default, dp, fsdp, fsdp_tp, megatron, megatron_sp, fsdp_sp (tables in docs/strategies.md)")
+    zero_stage: int | None = _flag(None, "ZeRO over the axes the batch splits over: 0 replicate all, 1 shard optimizer state, 2 and gradients (reduce-scatter), 3 and parameters (default: as the preset says)")
+    sharding_rules: str | None = _flag(None, "TOML file of overrides over the preset: [logical] axes, [[rules]] regex on parameter paths -> spec, [[layers]] ranges -> preset")
+    devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only; per process)")
+    dcn_mesh_dim: str | None = _flag(None, "several hosts: how many ways each of dp,fsdp,tp,sp is split across hosts; --mesh_dim is then one host's share (default: --mesh_dim is the whole mesh, hosts over dp, then fsdp)")
+
+    def check(self) -> None:
+        check_positive(self, "devices")
+
+
+@dataclass
+class ClusterConfig:
+    """Several processes (hosts): how this one joins the others (meshlm.distributed)."""
+
+    coordinator_address: str | None = _flag(None, "several processes: HOST:PORT of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, or the cluster's own, e.g. SLURM)")
+    num_processes: int | None = _flag(None, "several processes: how many (default: $JAX_NUM_PROCESSES, or 1)")
+    process_id: int | None = _flag(None, "several processes: this one's rank, 0 .. num_processes-1 (default: $JAX_PROCESS_ID)")
+    peer_timeout: float = _flag(20.0, "several processes: stop when another process is silent for this many seconds")
+    connect_timeout: float = _flag(120.0, "several processes: how long to wait for the coordinator at start-up, in seconds")
+
+    def check(self) -> None:
+        pass  # meshlm.distributed.resolve checks these together with the environment
+
+
+@dataclass
+class ModelSection:
+    """Which model: a preset or a config.json, field overrides, and starting weights."""
+
+    model: str | None = _flag(None, "preset name or path of a Hugging Face config.json (default: tiny, or the --init_from model); fields via --model.FIELD=VALUE")
+    init_from: str | None = _flag(None, "start from these weights: hf:DIR (a Hugging Face LLaMA folder) or a meshlm convert/export folder")
+    model_overrides: dict = _flag(dict, "set by --model.FIELD=VALUE", cli=False)
+
+    def check(self) -> None:
+        pass  # meshlm.job.resolve_model reads and checks the model
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline stages over the pp mesh axis."""
+
+    pp: int = _flag(1, "pipeline stages: the layers split over pp groups of devices (also pp:N in --mesh_dim); devices = pp × dp × fsdp × tp × sp")
+    pipeline_schedule: str = _flag("1f1b", "with --pp: gpipe, 1f1b (memory bounded by 2·pp microbatches) or interleaved (with --virtual_stages)")
+    microbatches: int | None = _flag(None, "with --pp: microbatches per step (default: 2·pp); the batch splits into them")
+    virtual_stages: int = _flag(1, "with --pipeline_schedule=interleaved: stages per device (the bubble shrinks by this much)")
+
+    def check(self) -> None:
+        pass  # meshlm.job.pipeline_schedule checks them against the mesh and the model
+
+
+@dataclass
+class BatchConfig:
+    """What one optimizer step sees."""
+
+    batch_size: int = _flag(8, "global batch size in sequences (all devices, all micro-batches)")
+    seq_len: int = _flag(256, "tokens per sequence")
+    grad_accum: int = _flag(1, "micro-batches per step (gradient accumulation)")
+
+    def check(self) -> None:
+        check_positive(self, "batch_size", "seq_len", "grad_accum")
+        if self.batch_size % self.grad_accum:
+            raise UsageError(f"--batch_size={self.batch_size} is not divisible by --grad_accum={self.grad_accum}")
+
+
+@dataclass
+class PrecisionConfig:
+    """Number formats and rematerialisation."""
+
+    dtype: str = _flag("auto", "compute dtype: auto (float32 on CPU, where it is fastest; bfloat16 on GPU/TPU), float32, bfloat16")
+    param_dtype: str = _flag("float32", "parameter and optimizer-state dtype")
+    remat: str = _flag("none", "rematerialisation policy: none, full, save_dots, save_qkv_attn")
+
+    def check(self) -> None:
+        check_dtype(self.dtype)
+        if self.param_dtype not in PARAM_DTYPES:
+            raise UsageError(f"--param_dtype={self.param_dtype}: choose float32 or bfloat16")
+        if self.remat not in REMAT:
+            raise UsageError(f"--remat={self.remat!r}: choose one of {', '.join(REMAT)}")
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW and its learning-rate schedule over --steps."""
+
+    steps: int = _flag(200, "optimizer steps to take (steps count from 1)")
+    lr: float = _flag(3e-4, "peak learning rate")
+    warmup_steps: int | None = _flag(None, "linear warm-up steps (default: 10%% of --steps, at most 1000)")
+    min_lr_ratio: float = _flag(0.1, "cosine decay ends at lr × this")
+    weight_decay: float = _flag(0.1, "AdamW weight decay (never applied to norm scales)")
+    clip_norm: float = _flag(1.0, "global gradient-norm clip; 0 disables")
+
+    def check(self) -> None:
+        check_positive(self, "steps")
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    dataset: str = _flag("stdlib", "stdlib (Python's own sources), synthetic, a .txt/.jsonl file, folder or glob, or hf:NAME[:split]")
+    tokenizer: str | None = _flag(None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)")
+    seed: int = _flag(0, "seed for parameters and data order")
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class CheckpointConfig:
+    """Where the run's files go and how often it saves."""
+
+    output_dir: str = _flag("outputs/train", "where metrics.jsonl, TensorBoard events and loss.png go")
+    save_every: int = _flag(0, "save a checkpoint every N steps (0: only at the end); re-running resumes from the newest")
+    keep: int = _flag(3, "how many of the newest checkpoints to keep")
+
+    def check(self) -> None:
+        if self.save_every < 0 or self.keep <= 0:
+            raise UsageError("--save_every must be ≥ 0 and --keep ≥ 1")
+
+
+@dataclass
+class LoggingConfig:
+    """What the console, metrics.jsonl and TensorBoard get."""
+
+    log_every: int = _flag(10, "log loss, tokens/s, TFLOP/s per device and MFU every N steps")
+    peak_tflops: float | None = _flag(None, "peak TFLOP/s per device for MFU (default: built-in table, or a matmul probe on CPU)")
+
+    def check(self) -> None:
+        check_positive(self, "log_every")
+
+
+# The sections in the order their flags are listed by `meshlm train --help`.
+SECTIONS = {
+    "mesh": MeshConfig, "cluster": ClusterConfig, "model": ModelSection, "pipeline": PipelineConfig,
+    "batch": BatchConfig, "precision": PrecisionConfig, "optimizer": OptimizerSection, "data": DataConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+}
+
+
+@dataclass
+class TrainConfig(LoggingConfig, CheckpointConfig, DataConfig, OptimizerSection, PrecisionConfig, BatchConfig,
+                  PipelineConfig, ModelSection, ClusterConfig, MeshConfig):
+    """Every `meshlm train` flag: the composition of the sections above."""
+
+    def validate(self) -> None:
+        """Each section's checks, in order; the first problem is one `UsageError` line."""
+        for section in SECTIONS.values():
+            section.check(self)
+
+    def section(self, name: str):
+        """One section's values as its own dataclass, e.g. `cfg.section("precision").dtype`."""
+        cls = SECTIONS[name]
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,173 @@
+"""The job layer: flags in, a model placed on a mesh out, every pre-compile check run once.
+
+Every command goes through here: `meshlm train` and `meshlm explain` call `resolve`, `meshlm plan`
+calls `resolve_model`, `pipeline_schedule` and `check_mesh` for the meshes it names, and
+`meshlm generate` / `meshlm serve` call `resolve_serving`. The same bad input therefore gives the
+same one-line `UsageError` from every command, before any weights are read or anything compiles.
+
+    job = resolve(TrainConfig(model="tiny", mesh_dim="1,8,1,1"))
+    job.placement.init(seed=0)          # parameters laid out on job.mesh by job.strategy
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshlm import mesh as meshlib
+from meshlm.config import TrainConfig, check_dtype
+from meshlm.errors import UsageError
+from meshlm.mesh import MeshShape
+from meshlm.models.configs import ModelConfig
+
+
+# The longest KV cache serving allocates unless --max_seq_len asks for more.
+SERVING_CONTEXT = 2048
+
+
+@dataclass
+class Job:
+    """What the commands share once the flags are resolved. `mesh` and `placement` are None when the
+    job was resolved without building them (`build=False`)."""
+
+    model: ModelConfig  # dtype, param_dtype and remat filled in
+    shape: MeshShape
+    dcn: MeshShape | None  # how the mesh is split across hosts (None: one process)
+    pipeline: Any  # meshlm.ops.pipeline.Schedule, or None without --pp
+    strategy: Any  # meshlm.sharding.Strategy
+    rules: Any  # meshlm.strategy.rules.Rules, or None
+    init_source: Path | None = None  # --init_from, resolved
+    mesh: Any = None  # jax.sharding.Mesh
+    placement: Any = None  # meshlm.models.placement.Placement
+
+
+# ------------------------------------------------------------------------------------ the model
+
+def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelConfig, Path | None]:
+    """(model config, --init_from source) from --model, --model.FIELD, --init_from and the precision
+    flags; `auto` dtype for `backend` (default: the one JAX runs on). Checks --seq_len against the
+    model's context."""
+    from meshlm.models.configs import apply_overrides, resolve_model as preset_or_config
+    from meshlm.platform import resolve_dtype
+
+    cfg.section("precision").check()
+    init_source = None
+    if cfg.init_from:
+        from meshlm.checkpoint.hf import parse_init_from, read_model_config
+
+        init_source = parse_init_from(cfg.init_from)
+    if cfg.model or init_source is None:
+        model = preset_or_config(cfg.model or "tiny", cfg.model_overrides)
+    else:
+        model = apply_overrides(read_model_config(init_source), cfg.model_overrides)
+    model = model.replace(dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat)
+    check_context(cfg.seq_len, model)
+    return model, init_source
+
+
+def check_context(seq_len: int, model: ModelConfig) -> None:
+    if seq_len > model.max_seq_len:
+        raise UsageError(f"--seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                         "raise --model.max_seq_len or shorten --seq_len")
+
+
+# ------------------------------------------------------------------------------------ the mesh
+
+def pipeline_schedule(cfg: TrainConfig, shape: MeshShape, n_layers: int):
+    """The `--pp` flags checked (one line each, before anything compiles) and the schedule they give."""
+    from meshlm.ops.pipeline import build_schedule, check
+
+    micro = cfg.microbatches or 2 * shape.pp
+    check(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, n_layers)
+    if cfg.grad_accum > 1:
+        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
+    if cfg.batch_size % (micro * shape.data):
+        raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
+                         f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
+    return build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
+
+
+def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
+    """The mesh against the job: batch, sequence and model dimensions divide as the axes need."""
+    meshlib.validate_mesh_shape(shape, batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_heads=model.n_heads,
+                                n_kv_heads=model.n_kv_heads, mlp_dim=model.mlp_dim, vocab_size=model.vocab_size)
+    if (cfg.batch_size // cfg.grad_accum) % shape.data:
+        raise UsageError(
+            f"--batch_size={cfg.batch_size} / --grad_accum={cfg.grad_accum} = {cfg.batch_size // cfg.grad_accum} "
+            f"rows per micro-batch is not divisible by dp×fsdp = {shape.data}"
+        )
+
+
+def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False):
+    """(strategy, rules) from --strategy, --zero_stage and --sharding_rules, checked against the mesh
+    and the batch."""
+    from meshlm.sharding import as_tuple
+    from meshlm.strategy import choose
+
+    strategy, rules = choose(cfg.strategy, cfg.zero_stage, cfg.sharding_rules)
+    if rules and rules.layers and pipelined:
+        raise UsageError(f"{cfg.sharding_rules}: [[layers]] ranges with --pp: the pipeline stages already split "
+                         "the layers; drop one of them")
+    sizes = shape.as_dict()
+    rows = cfg.batch_size // cfg.grad_accum
+    for s in (strategy, *(r.strategy for r in (rules.layers if rules else ()))):
+        axes = [a for a in as_tuple(s.activations.get("batch")) if sizes.get(a, 1) > 1]
+        ways = math.prod(sizes[a] for a in axes)
+        if rows % ways:
+            raise UsageError(f"--strategy={s.name.split('+')[0]} splits the batch over {'×'.join(axes)} = {ways} devices "
+                             f"but a step has {rows} rows; use a --batch_size that is a multiple of {ways * cfg.grad_accum}")
+    return strategy, rules
+
+
+# ------------------------------------------------------------------------------------ whole jobs
+
+def resolve(cfg: TrainConfig, *, build: bool = True) -> Job:
+    """A training job from its flags on the devices JAX has (all processes'): model, mesh shape,
+    pipeline, strategy; with `build`, the mesh and the placement too. Raises UsageError."""
+    import jax
+
+    cfg.validate()
+    model, init_source = resolve_model(cfg)
+    shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim,
+                                        jax.device_count(), jax.process_count(), cfg.pp)
+    pipeline = pipeline_schedule(cfg, shape, model.n_layers) if shape.pp > 1 else None
+    check_mesh(cfg, shape, model)
+    strategy, rules = choose_strategy(cfg, shape, pipeline is not None)
+    if init_source is not None and rules and rules.layers:
+        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
+    job = Job(model, shape, dcn if jax.process_count() > 1 else None, pipeline, strategy, rules, init_source)
+    return _build(job) if build else job
+
+
+def resolve_serving(model: ModelConfig, *, mesh_dim: str, dtype: str = "auto", max_batch: int | None = None,
+                    max_seq_len: int | None = None, build: bool = True) -> Job:
+    """A serving job for a model read from its weights: --mesh_dim over the devices JAX has (hosts
+    over dp first), compute and weight dtype `dtype`, no remat. Checks the decode batch (default
+    dp×fsdp), the context (default the model's, at most 2048) and the model's dimensions against the
+    mesh before any weights are read."""
+    import jax
+
+    from meshlm.platform import resolve_dtype
+    from meshlm.strategy import DEFAULT
+
+    check_dtype(dtype)
+    shape, dcn = meshlib.resolve_hybrid(mesh_dim, None, False, None, jax.device_count(), jax.process_count())
+    if shape.pp > 1:
+        raise UsageError(f"--mesh_dim={mesh_dim}: serving runs without pipeline stages; drop pp")
+    context = max_seq_len or min(model.max_seq_len, SERVING_CONTEXT)
+    meshlib.validate_mesh_shape(shape, batch_size=max_batch or shape.data, seq_len=context, n_heads=model.n_heads,
+                                n_kv_heads=model.n_kv_heads, mlp_dim=model.mlp_dim, vocab_size=model.vocab_size)
+    compute = resolve_dtype(dtype)
+    model = model.replace(dtype=compute, param_dtype=compute, remat="none")
+    job = Job(model, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
+    return _build(job) if build else job
+
+
+def _build(job: Job) -> Job:
+    from meshlm.models.placement import place
+
+    job.mesh = meshlib.build_mesh(job.shape, dcn=job.dcn)
+    job.placement = place(job.model, job.mesh, job.strategy, job.rules)
+    return job

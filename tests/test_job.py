@@ -1,0 +1,82 @@
+"""The job layer (meshlm.job) runs every pre-compile check once for every command: the same bad input
+gives the same one-line error from train, explain, plan --verify, generate and serve."""
+
+import socket
+
+import pytest
+
+from meshlm.cli import main
+from meshlm.config import TrainConfig
+from meshlm.errors import UsageError
+from tests.checkpoint.conftest import small_hf_config, write_numpy_hf, write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A Hugging Face folder (4 heads, 2 kv heads): weights, config.json and a tokenizer."""
+    directory = tmp_path_factory.mktemp("hf")
+    write_numpy_hf(directory, small_hf_config())
+    write_tokenizer(directory)
+    return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def commands(model_dir, train_flags: list[str], serving_flags: list[str]) -> dict[str, list[str]]:
+    """One bad input given to every command, each with the flags it takes for the same job (8 devices,
+    8 sequences of 256 tokens in training, 8 decode slots of 256 tokens in serving); later flags win."""
+    train = [f"--model={model_dir / 'config.json'}", "--devices=8", "--batch_size=8", "--seq_len=256", *train_flags]
+    serving = [f"--checkpoint={model_dir}", "--devices=8", "--max_batch=8", "--max_seq_len=256", *serving_flags]
+    return {
+        "train": ["train", "--steps=1", "--dataset=synthetic", *train],
+        "explain": ["explain", *train],
+        "plan --verify": ["plan", "--hardware=cpu", "--verify=1", *train],
+        "generate": ["generate", "--prompt=hello", *serving],
+        "serve": ["serve", f"--port={_free_port()}", *serving],
+    }
+
+
+# case: (flags for train/explain/plan, flags for generate/serve, what the line says)
+BAD = {
+    "dtype": (["--dtype=float64"], ["--dtype=float64"], "--dtype=float64: choose auto, float32, bfloat16 or float16"),
+    "malformed mesh": (["--mesh_dim=1,a,8,1"], ["--mesh_dim=1,a,8,1"], "'a' is not an integer"),
+    "tp over the heads": (["--mesh_dim=1,1,8,1"], ["--mesh_dim=1,1,8,1"],
+                          "--mesh_dim=1,1,8,1: n_heads = 4 is not divisible by tp = 8; meshes that work"),
+    "batch over the data axes": (["--mesh_dim=8,1,1,1", "--batch_size=4"], ["--mesh_dim=8,1,1,1", "--max_batch=4"],
+                                 "--mesh_dim=8,1,1,1: global batch size 4 is smaller than dp×fsdp = 8"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_every_command_gives_the_same_error(case, hf_model, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the outputs of a run that got too far would land here
+    train_flags, serving_flags, message = BAD[case]
+    errors = {}
+    for name, argv in commands(hf_model, train_flags, serving_flags).items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, (name, err)
+        errors[name] = err
+    assert message in errors["train"], errors["train"]
+    assert len(set(errors.values())) == 1, errors
+
+
+def test_resolve_builds_what_train_needs():
+    from meshlm.job import resolve
+
+    job = resolve(TrainConfig(model="test", mesh_dim="2,2,2,1", batch_size=8, seq_len=32))
+    assert (job.shape.dp, job.shape.fsdp, job.shape.tp, job.shape.sp) == (2, 2, 2, 1)
+    assert job.model.dtype == "float32" and job.pipeline is None and job.strategy.name == "default"
+    assert dict(job.mesh.shape) == {"dp": 2, "fsdp": 2, "tp": 2, "sp": 1}
+    assert job.placement.cfg == job.model
+
+
+def test_resolve_checks_the_context_for_every_command():
+    from meshlm.job import resolve
+
+    with pytest.raises(UsageError, match="exceeds the model's max_seq_len"):
+        resolve(TrainConfig(model="test", seq_len=10**6), build=False)
