@@ -82,7 +82,7 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
 
 
 def build_engine(hf_dir: Path, args):
-    from meshlm.checkpoint.hf import HFSource
+    from meshlm.checkpoint.hf_folder import HFSource
     from meshlm.models.placement import place
     from meshlm.serve.engine import Engine
     from meshlm.serve.loading import LoadedModel
@@ -204,8 +204,8 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from meshlm.checkpoint.export import ArraySource
-    from meshlm.checkpoint.hf import write_hf
+    from meshlm.checkpoint.source import ArraySource
+    from meshlm.checkpoint.hf_folder import write_hf
     from meshlm.models.placement import place
 
     cfg = resolve_model(args.preset).replace(dtype="float32", param_dtype="float32",
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     finally:
         engine.stop()
     b = bounds(engine, max(args.repeats, 5))  # the engine's thread is stopped: the steps run alone
-    nbytes = sum(a.nbytes for a in jax.tree.leaves(engine._params))
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(engine.steps.params))
     ceiling = 1 / b["weights"]
     rows = engine.decode_rows[-1]
     print(f"bounds: reading all {nbytes / 1e6:.0f} MB of weights once takes {b['weights'] * 1e3:.1f} ms "
@@ -250,10 +250,10 @@ def bounds(engine, repeats: int) -> dict:
     """Time to stream every weight once, and the engine's decode step alone (batch 1 and all rows,
     the shortest cache prefix), each the median of `repeats` runs after a warm-up."""
     read_all = jax.jit(lambda p: sum(jnp.sum(a) for a in jax.tree.leaves(p)))
-    steps = {"weights": lambda: read_all(engine._params)}
+    steps = {"weights": lambda: read_all(engine.steps.params)}
     for rows in (engine.decode_rows[0], engine.decode_rows[-1]):
         def step(rows=rows):
-            engine._state, tokens = engine._decode(engine._params, engine._state, rows, engine.decode_lengths[0])
+            tokens = engine.steps.decode(rows, engine.decode_lengths[0])
             return tokens
         steps[f"step_b{rows}"] = step
     out = {}

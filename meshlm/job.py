@@ -55,7 +55,7 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
     cfg.section("precision").check()
     init_source = None
     if cfg.init_from:
-        from meshlm.checkpoint.hf import parse_init_from, read_model_config
+        from meshlm.checkpoint.weights import parse_init_from, read_model_config
 
         init_source = parse_init_from(cfg.init_from)
     if cfg.model or init_source is None:

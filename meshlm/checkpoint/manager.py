@@ -11,7 +11,6 @@ into its shards on the current mesh, never gathered whole on one device.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +145,3 @@ def check_compatible(path: Path, stored: dict, expected: dict) -> None:
                 f"pass --model.{f}={a[f]} or use another --output_dir"
             )
 
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=str))

@@ -7,7 +7,7 @@ from meshlm.errors import UsageError
 
 
 def convert(argv: list[str]) -> int:
-    from meshlm.checkpoint import hf
+    from meshlm.checkpoint.convert import convert_from_hf, convert_to_hf
 
     parser = Parser(prog="meshlm convert", description="Hugging Face LLaMA weights in (--from_hf) or out (--to_hf).")
     parser.add_argument("--from_hf", metavar="DIR", help="a LlamaForCausalLM folder (config.json + *.safetensors) to import")
@@ -22,17 +22,17 @@ def convert(argv: list[str]) -> int:
     if args.from_hf:
         if not args.out:
             raise UsageError("--from_hf needs --out=P, the folder to write")
-        path = hf.convert_from_hf(args.from_hf, args.out, args.dtype)
+        path = convert_from_hf(args.from_hf, args.out, args.dtype)
     else:
         if not args.checkpoint:
             raise UsageError("--to_hf needs --checkpoint=P, what to convert")
-        path = hf.convert_to_hf(args.checkpoint, args.to_hf, args.dtype, step=args.step)
+        path = convert_to_hf(args.checkpoint, args.to_hf, args.dtype, step=args.step)
     print(f"wrote {path}")
     return 0
 
 
 def export(argv: list[str]) -> int:
-    from meshlm.checkpoint.export import export_params
+    from meshlm.checkpoint.convert import export_params
 
     parser = Parser(prog="meshlm export", description="Write a checkpoint's parameters only (for serving), in the compute dtype.")
     parser.add_argument("--checkpoint", metavar="D", required=True, help="a run's output_dir, its checkpoints/ or checkpoints/N")

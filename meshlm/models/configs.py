@@ -137,8 +137,28 @@ def _coerce(name: str, raw: Any, current: Any) -> Any:
     return raw
 
 
-def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
-    """Map a Hugging Face LlamaConfig dict onto a ModelConfig."""
+def read_hf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `config.json` file: read, validated and mapped by `from_hf_config`.
+
+    Every path that takes a config.json (`--model=`, `--init_from=hf:`, convert, serve) reads it here, so a
+    config meshlm cannot run gets the same one-line error everywhere."""
+    path = Path(path)
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{path} is not a config.json (a JSON object of LlamaConfig fields)")
+    return from_hf_config(hf, str(path))
+
+
+def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Map a Hugging Face LlamaConfig dict onto a ModelConfig; a variant meshlm's LLaMA cannot run is named
+    (`where`, the file it came from, starts the message)."""
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise UsageError(f"{where}: attention_bias/mlp_bias models are not supported (meshlm's LLaMA has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UsageError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported; LLaMA uses 'silu'")
     rope = hf.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
     if isinstance(rope, dict):
         hf = dict(hf)
@@ -147,7 +167,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             hf["rope_scaling"] = rope
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
-        raise UsageError(f"config.json describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported")
+        raise UsageError(f"{where} describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported")
     try:
         n_heads = hf["num_attention_heads"]
         scaling = None
@@ -155,7 +175,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         if rs:
             kind = rs.get("rope_type", rs.get("type"))
             if kind != "llama3":
-                raise UsageError(f"config.json rope_scaling type {kind!r} is not supported; only 'llama3' is")
+                raise UsageError(f"{where}: rope_scaling type {kind!r} is not supported; only 'llama3' is")
             scaling = RopeScaling(
                 float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0)),
                 int(rs.get("original_max_position_embeddings", 8192)),
@@ -176,11 +196,12 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             init_std=float(hf.get("initializer_range", 0.02)),
         )
     except KeyError as e:
-        raise UsageError(f"config.json lacks the field {e.args[0]!r} that a LlamaConfig has") from None
+        raise UsageError(f"{where} lacks the field {e.args[0]!r} that a LlamaConfig has") from None
 
 
-def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face `config.json` dict for this model (LlamaForCausalLM)."""
+def to_hf_config(cfg: ModelConfig, weights_dtype: str | None = None) -> dict[str, Any]:
+    """The Hugging Face `config.json` dict for this model (LlamaForCausalLM); `weights_dtype` names the
+    dtype of the weights written beside it (default float32)."""
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -203,6 +224,8 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    if weights_dtype is not None:
+        out["torch_dtype"] = out["dtype"] = weights_dtype
     return out
 
 
@@ -216,11 +239,7 @@ def resolve_model(name_or_path: str, overrides: dict[str, Any] | None = None) ->
         cfg_path = path / "config.json" if path.is_dir() else path
         if not cfg_path.is_file():
             raise UsageError(f"--model={name_or_path}: no such file {cfg_path}")
-        try:
-            hf = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--model={cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        base = from_hf_config(hf)
+        base = read_hf_config(cfg_path)
     else:
         raise UsageError(
             f"--model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path"
@@ -249,4 +268,7 @@ def describe(cfg: ModelConfig) -> str:
     )
 
 
-__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "resolve_model", "apply_overrides", "from_hf_config", "to_hf_config", "describe"]
+__all__ = [
+    "ModelConfig", "RopeScaling", "PRESETS", "resolve_model", "apply_overrides", "from_hf_config", "read_hf_config",
+    "to_hf_config", "describe",
+]

@@ -52,12 +52,12 @@ def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str
                name: str | None = None):
     """(LoadedModel, meshlm.job.Job): weights from any source meshlm reads, each device reading only
     its own shards, on the mesh `mesh_dim` of the devices JAX has."""
-    from meshlm.checkpoint import hf
+    from meshlm.checkpoint.weights import open_source, parse_init_from
     from meshlm.data.tokenizer import Tokenizer
     from meshlm.job import resolve_serving
 
-    path = hf.parse_init_from(str(checkpoint)) if str(checkpoint).startswith("hf:") else Path(checkpoint).expanduser()
-    with hf.open_source(path, step) as source:
+    path = parse_init_from(str(checkpoint)) if str(checkpoint).startswith("hf:") else Path(checkpoint).expanduser()
+    with open_source(path, step) as source:
         job = resolve_serving(source.cfg, mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
         params = source.load(job.placement)
         files = _tokenizer_files(source.carried)

@@ -122,7 +122,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         loader.restore(data_state)
         console.print(f"resumed from {checkpointer.directory / str(checkpointer.latest_step())} at step {int(state.step)}")
     elif init_source is not None:
-        from meshlm.checkpoint.hf import load_params
+        from meshlm.checkpoint.weights import load_params
 
         state = train_state_from_params(placement, optimizer, load_params(init_source, placement))
         console.print(f"initialised from {init_source}")

@@ -10,9 +10,12 @@ import numpy as np
 import optax
 import pytest
 
-from meshlm.checkpoint import hf
-from meshlm.checkpoint.export import export_params, find_checkpoint
+from meshlm.checkpoint.convert import convert_to_hf, export_params
+from meshlm.checkpoint.hf_map import leaves
 from meshlm.checkpoint.manager import Checkpointer
+from meshlm.checkpoint.params_folder import PARAMS_FILE
+from meshlm.checkpoint.train_checkpoint import find_checkpoint
+from meshlm.checkpoint.weights import load_params, parse_init_from, read_model_config
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
 from meshlm.models.placement import place
@@ -57,7 +60,7 @@ def test_checkpoint_spellings(run, tmp_path):
         find_checkpoint(out, step=3)
     with pytest.raises(UsageError, match="holds no training checkpoint"):
         find_checkpoint(tmp_path)
-    assert hf.read_model_config(out) == CFG  # the full config, dtype included, from the checkpoint's meta
+    assert read_model_config(out) == CFG  # the full config, dtype included, from the checkpoint's meta
 
 
 def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
@@ -68,9 +71,9 @@ def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
     assert sorted(f.name for f in p.iterdir()) == ["config.json", "params.safetensors", "tokenizer"]
     assert (p / "tokenizer" / "tokenizer.json").read_bytes() == (out / "tokenizer" / "tokenizer.json").read_bytes()
     assert json.loads((p / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with safe_open(str(p / hf.PARAMS_FILE), framework="numpy") as f:
-        assert set(f.keys()) == {leaf.name for leaf in hf.leaves(CFG)}  # no optimizer state, no step
-        for leaf in hf.leaves(CFG):
+    with safe_open(str(p / PARAMS_FILE), framework="numpy") as f:
+        assert set(f.keys()) == {leaf.name for leaf in leaves(CFG)}  # no optimizer state, no step
+        for leaf in leaves(CFG):
             got = f.get_tensor(leaf.name)
             assert got.dtype == ml_dtypes.bfloat16
             want = params
@@ -79,7 +82,7 @@ def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
             np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16))
     # Serving loads it onto another mesh, cast back to the param dtype.
     placement = place(CFG, mesh_of("1,4,2,1"))
-    loaded = hf.load_params(p, placement)
+    loaded = load_params(p, placement)
     assert loaded["embed"].sharding == placement.shardings["embed"]
     for a, b in zip(jax.tree.leaves(host(loaded)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b.astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -93,7 +96,7 @@ def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
 def test_load_params_from_a_training_checkpoint_onto_another_mesh(run):
     out, params = run
     placement = place(CFG, mesh_of("8,1,1,1"))
-    loaded = hf.load_params(out, placement)
+    loaded = load_params(out, placement)
     assert jax.tree.map(lambda a: a.sharding, loaded) == placement.shardings
     for a, b in zip(jax.tree.leaves(host(loaded)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
@@ -101,7 +104,7 @@ def test_load_params_from_a_training_checkpoint_onto_another_mesh(run):
 
 def test_training_checkpoint_to_transformers(run, tmp_path):
     out, params = run
-    hf_dir = hf.convert_to_hf(out, tmp_path / "hf", dtype="float32")
+    hf_dir = convert_to_hf(out, tmp_path / "hf", dtype="float32")
     assert (hf_dir / "tokenizer.json").is_file()
     cfg = CFG.replace(dtype="float32")
     tokens = tokens_for(cfg.vocab_size)
@@ -115,11 +118,11 @@ def test_fine_tune_from_hugging_face_weights(tmp_path):
     torch = pytest.importorskip("torch")
     model = torch_llama(small_hf_config(rope_parameters={"rope_type": "default", "rope_theta": 25000.0}), seed=1)
     model.save_pretrained(tmp_path / "hf")
-    path = hf.parse_init_from(f"hf:{tmp_path / 'hf'}")
-    cfg = hf.read_model_config(path).replace(dtype="float32")
+    path = parse_init_from(f"hf:{tmp_path / 'hf'}")
+    cfg = read_model_config(path).replace(dtype="float32")
     placement = place(cfg, mesh_of("2,2,2,1"))
     optimizer = optax.adam(1e-2)
-    params = hf.load_params(path, placement)
+    params = load_params(path, placement)
     state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
                     out_shardings=state_shardings(placement, optimizer))(params)
     step = make_train_step(placement, optimizer)

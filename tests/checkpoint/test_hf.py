@@ -10,8 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from meshlm.checkpoint import hf
-from meshlm.checkpoint.export import save_params
+from meshlm.checkpoint.convert import convert_from_hf, convert_to_hf, save_params
+from meshlm.checkpoint.hf_map import leaves
+from meshlm.checkpoint.params_folder import PARAMS_FILE, ParamsSource
+from meshlm.checkpoint.safetensors_io import INDEX_FILE
+from meshlm.checkpoint.weights import load_params, parse_init_from, read_model_config
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.placement import place
@@ -52,7 +55,7 @@ def test_leaf_table_matches_the_model(tie):
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_dim=96, tie_embeddings=tie)
     shapes = {jax.tree_util.keystr(p, simple=True, separator="."): tuple(s.shape)
               for p, s in jax.tree_util.tree_flatten_with_path(place(cfg, mesh_of("1,1,1,1")).shapes)[0]}
-    assert {leaf.name: leaf.full_shape for leaf in hf.leaves(cfg)} == shapes
+    assert {leaf.name: leaf.full_shape for leaf in leaves(cfg)} == shapes
 
 
 def test_numpy_folder_maps_each_tensor_by_the_documented_layout(tmp_path):
@@ -61,9 +64,9 @@ def test_numpy_folder_maps_each_tensor_by_the_documented_layout(tmp_path):
 
     cfg_hf = small_hf_config(num_attention_heads=4, num_key_value_heads=2)
     src = write_numpy_hf(tmp_path / "hf", cfg_hf, dtype="bfloat16", per_layer_files=True)
-    out = hf.convert_from_hf(src, tmp_path / "p")
+    out = convert_from_hf(src, tmp_path / "p")
     E, H, K, D, M = 64, 4, 2, 16, 96
-    with safe_open(str(out / hf.PARAMS_FILE), framework="numpy") as p, \
+    with safe_open(str(out / PARAMS_FILE), framework="numpy") as p, \
             safe_open(str(src / "model-00003-of-00003.safetensors"), framework="numpy") as layer1, \
             safe_open(str(src / "model-00001-of-00003.safetensors"), framework="numpy") as rest:
         assert p.get_tensor("layers.attn.wq").dtype == ml_dtypes.bfloat16
@@ -79,8 +82,8 @@ def test_numpy_folder_maps_each_tensor_by_the_documented_layout(tmp_path):
         np.testing.assert_array_equal(p.get_tensor("lm_head"), rest.get_tensor("lm_head.weight").T)
         np.testing.assert_array_equal(p.get_tensor("embed"), rest.get_tensor("model.embed_tokens.weight"))
     # Loading casts to the param dtype and gives the same values straight from the folder or from P.
-    placement = place(hf.read_model_config(out), mesh_of("2,2,2,1"))
-    from_p, from_hf = hf.load_params(out, placement), hf.load_params(f"hf:{src}", placement)
+    placement = place(read_model_config(out), mesh_of("2,2,2,1"))
+    from_p, from_hf = load_params(out, placement), load_params(f"hf:{src}", placement)
     assert from_p["layers"]["attn"]["wq"].dtype == np.float32
     assert_trees_equal(from_p, from_hf)
 
@@ -88,12 +91,12 @@ def test_numpy_folder_maps_each_tensor_by_the_documented_layout(tmp_path):
 def test_sharded_load_reads_only_device_slices(tmp_path):
     """Every device shard of a loaded leaf equals the matching slice of the leaf; nothing is replicated whole."""
     src = write_numpy_hf(tmp_path / "hf", small_hf_config(num_attention_heads=8, num_key_value_heads=4))
-    out = hf.convert_from_hf(src, tmp_path / "p")
-    placement = place(hf.read_model_config(out), mesh_of("1,2,4,1"))
-    params = hf.load_params(out, placement)
+    out = convert_from_hf(src, tmp_path / "p")
+    placement = place(read_model_config(out), mesh_of("1,2,4,1"))
+    params = load_params(out, placement)
     wq = params["layers"]["attn"]["wq"]  # [L, E, H, D] sharded (None, fsdp, tp, None)
-    leaf = next(leaf for leaf in hf.leaves(placement.cfg) if leaf.name == "layers.attn.wq")
-    full = hf.ParamsSource(out).block(leaf, 1)
+    leaf = next(leaf for leaf in leaves(placement.cfg) if leaf.name == "layers.attn.wq")
+    full = ParamsSource(out).block(leaf, 1)
     assert wq.sharding.spec == placement.specs["layers"]["attn"]["wq"]
     shard = wq.addressable_shards[0]
     assert shard.data.shape == (2, 32, 2, 8)
@@ -109,15 +112,15 @@ def test_logits_match_transformers(case, tmp_path):
     model = torch_llama(small_hf_config(**kw))
     model.save_pretrained(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # carried along untouched
-    out = hf.convert_from_hf(tmp_path / "hf", tmp_path / "p")
+    out = convert_from_hf(tmp_path / "hf", tmp_path / "p")
     assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}"
 
-    cfg = hf.read_model_config(out).replace(dtype="float32")
+    cfg = read_model_config(out).replace(dtype="float32")
     assert cfg.rope_theta == kw.get("rope_parameters", {}).get("rope_theta", 10000.0)
     assert (cfg.rope_scaling is not None) == (case == "gqa_theta_llama3")
     placement = place(cfg, mesh_of(mesh))
-    params = hf.load_params(out, placement)
-    assert_trees_equal(params, hf.load_params(f"hf:{tmp_path / 'hf'}", placement))  # direct load: same arrays
+    params = load_params(out, placement)
+    assert_trees_equal(params, load_params(f"hf:{tmp_path / 'hf'}", placement))  # direct load: same arrays
 
     tokens = tokens_for(cfg.vocab_size)
     want = torch_logits(model, tokens)
@@ -137,8 +140,8 @@ def test_round_trip_meshlm_to_transformers(tmp_path):
     params = placement.init(seed=3)
     tok_dir = write_tokenizer(tmp_path / "tok")
     p = save_params(params, cfg, tmp_path / "p", tokenizer_dir=tok_dir)
-    hf_dir = hf.convert_to_hf(p, tmp_path / "hf", max_shard_bytes=40_000)
-    index = json.loads((hf_dir / hf.HF_INDEX).read_text())
+    hf_dir = convert_to_hf(p, tmp_path / "hf", max_shard_bytes=40_000)
+    index = json.loads((hf_dir / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 2 and set(index["weight_map"]) == set(hf_tensor_shapes(
         json.loads((hf_dir / "config.json").read_text())))
     assert (hf_dir / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
@@ -146,9 +149,9 @@ def test_round_trip_meshlm_to_transformers(tmp_path):
     tokens = tokens_for(cfg.vocab_size, seed=1)
     want = meshlm_logits(placement, params, tokens)
     np.testing.assert_allclose(hf_folder_logits(hf_dir, tokens), want, atol=1e-4, rtol=0)
-    back = hf.convert_from_hf(hf_dir, tmp_path / "back")
-    assert hf.read_model_config(back) == cfg.replace(dtype="bfloat16")  # dtype is a run setting, not stored
-    assert_trees_equal(hf.load_params(back, placement), params)
+    back = convert_from_hf(hf_dir, tmp_path / "back")
+    assert read_model_config(back) == cfg.replace(dtype="bfloat16")  # dtype is a run setting, not stored
+    assert_trees_equal(load_params(back, placement), params)
     assert (back / "tokenizer" / "tokenizer.json").is_file()
 
 
@@ -156,8 +159,8 @@ def test_bf16_export_loads_in_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     model = torch_llama(small_hf_config(), dtype="bfloat16")
     model.save_pretrained(tmp_path / "hf")
-    out = hf.convert_from_hf(tmp_path / "hf", tmp_path / "p")
-    hf_dir = hf.convert_to_hf(out, tmp_path / "hf2")
+    out = convert_from_hf(tmp_path / "hf", tmp_path / "p")
+    hf_dir = convert_to_hf(out, tmp_path / "hf2")
     assert json.loads((hf_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
     import transformers
 
@@ -171,44 +174,44 @@ def test_bf16_export_loads_in_transformers(tmp_path):
 
 def test_bad_inputs_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="no such folder"):
-        hf.convert_from_hf(tmp_path / "nope", tmp_path / "p")
+        convert_from_hf(tmp_path / "nope", tmp_path / "p")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="no config.json"):
-        hf.convert_from_hf(tmp_path / "empty", tmp_path / "p")
+        convert_from_hf(tmp_path / "empty", tmp_path / "p")
     bins = tmp_path / "bins"
     bins.mkdir()
     (bins / "config.json").write_text(json.dumps(small_hf_config()))
     with pytest.raises(UsageError, match="safe_serialization=True"):
-        hf.convert_from_hf(bins, tmp_path / "p")
+        convert_from_hf(bins, tmp_path / "p")
     with pytest.raises(UsageError, match="only 'llama3'"):
         write_numpy_hf(tmp_path / "yarn", small_hf_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
-        hf.convert_from_hf(tmp_path / "yarn", tmp_path / "p")
+        convert_from_hf(tmp_path / "yarn", tmp_path / "p")
     with pytest.raises(UsageError, match="biases"):
         write_numpy_hf(tmp_path / "bias", small_hf_config(attention_bias=True))
-        hf.convert_from_hf(tmp_path / "bias", tmp_path / "p")
+        convert_from_hf(tmp_path / "bias", tmp_path / "p")
 
     good = write_numpy_hf(tmp_path / "good", small_hf_config())
     untied = json.loads((good / "config.json").read_text())
     (good / "config.json").write_text(json.dumps({**untied, "num_hidden_layers": 3}))
     with pytest.raises(UsageError, match="no tensor model.layers.2"):
-        hf.convert_from_hf(good, tmp_path / "p")
+        convert_from_hf(good, tmp_path / "p")
     (good / "config.json").write_text(json.dumps(untied))
-    out = hf.convert_from_hf(good, tmp_path / "p")
+    out = convert_from_hf(good, tmp_path / "p")
     with pytest.raises(UsageError, match="already exists"):
-        hf.convert_from_hf(good, out)
+        convert_from_hf(good, out)
     assert not list(tmp_path.glob(".*partial*"))  # failed conversions leave nothing behind
 
     wrong = place(ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=96),
                   mesh_of("1,1,1,1"))
     with pytest.raises(UsageError, match="n_kv_heads=2 but this run has n_kv_heads=4"):
-        hf.load_params(out, wrong)
+        load_params(out, wrong)
     with pytest.raises(UsageError, match="hf:DIR"):
-        hf.parse_init_from("gs://bucket/model")
+        parse_init_from("gs://bucket/model")
     with pytest.raises(UsageError, match="no config.json"):
-        hf.parse_init_from(f"hf:{tmp_path / 'empty'}")
-    assert hf.parse_init_from(f"hf:{good}") == good
+        parse_init_from(f"hf:{tmp_path / 'empty'}")
+    assert parse_init_from(f"hf:{good}") == good
     with pytest.raises(UsageError, match="none of"):
-        hf.load_params(tmp_path / "empty", wrong)
+        load_params(tmp_path / "empty", wrong)
 
     truncated = tmp_path / "trunc"
     truncated.mkdir()
@@ -216,7 +219,7 @@ def test_bad_inputs_are_usage_errors(tmp_path):
     data = (good / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(UsageError, match="does not fit the file"):
-        hf.convert_from_hf(truncated, tmp_path / "p2")
+        convert_from_hf(truncated, tmp_path / "p2")
 
 
 # ------------------------------------------------------------------------------------------- memory
@@ -225,13 +228,13 @@ MEMORY_PROBE = """
 import json, sys
 def status(key):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
-from meshlm.checkpoint import hf
+from meshlm.checkpoint.convert import convert_from_hf
 base = status("VmRSS")
-hf.convert_from_hf(sys.argv[1], sys.argv[2])
+convert_from_hf(sys.argv[1], sys.argv[2])
 print(json.dumps({"base": base, "peak": status("VmHWM"), "jax_imported": "jax" in sys.modules}))
 """
 
-FIXED_OVERHEAD = 32 << 20  # beyond the interpreter with meshlm.checkpoint.hf imported (measured as `base`)
+FIXED_OVERHEAD = 32 << 20  # beyond the interpreter with meshlm.checkpoint.convert imported (measured as `base`)
 
 
 @pytest.mark.slow
@@ -257,7 +260,7 @@ def test_convert_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert m["peak"] - m["base"] < total // 4  # far from holding the model (or one stacked 64 MiB leaf + copy)
     from safetensors import safe_open
 
-    with safe_open(str(tmp_path / "out" / hf.PARAMS_FILE), framework="numpy") as p, \
+    with safe_open(str(tmp_path / "out" / PARAMS_FILE), framework="numpy") as p, \
             safe_open(str(src / "model-00004-of-00005.safetensors"), framework="numpy") as layer2:
         gate = layer2.get_tensor("model.layers.2.mlp.gate_proj.weight")
         np.testing.assert_array_equal(p.get_slice("layers.mlp.gate")[2], gate.T)

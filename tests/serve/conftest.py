@@ -1,26 +1,46 @@
-"""A live server for the HTTP tests: uvicorn in a background thread on 127.0.0.1, a free port, and a
-real engine on the tiny random `test` preset, compiled once per test process."""
+"""Engines and live servers for the serving tests: `make_engine` builds an engine on random weights of
+a preset; the fixtures serve one (uvicorn in a background thread on 127.0.0.1, a free port) on the tiny
+random `test` preset, compiled once per test process."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
+import jax
 import pytest
 
+from meshlm import mesh as meshlib
+from meshlm.data.tokenizer import train_tokenizer
+from meshlm.models.configs import resolve_model
 from meshlm.serve.api import create_app, make_server
 from meshlm.serve.engine import Engine
+from meshlm.serve.loading import random_model
 
 MAX_SEQ_LEN = 256
 MAX_BATCH = 8
 
 
+def make_engine(preset: str = "test", mesh_dim: str = "1,1,1,1", max_batch: int = 8, max_seq_len: int = 256,
+                seed: int = 0, start: bool = True, **kw) -> Engine:
+    """An engine on random float32 weights of a preset with a small byte-level tokenizer, on the first
+    devices of the mesh `mesh_dim`; started (compiled) unless `start=False`."""
+    cfg = resolve_model(preset).replace(dtype="float32", param_dtype="float32")
+    n = math.prod(int(x) for x in mesh_dim.split(","))
+    mesh = meshlib.build_mesh(meshlib.parse_mesh_dim(mesh_dim, n), jax.devices()[:n])
+    tokenizer = train_tokenizer("stdlib", cfg.vocab_size, train_chars=400_000)
+    engine = Engine(random_model(cfg, mesh, tokenizer, seed=seed, name=preset), max_batch=max_batch,
+                    max_seq_len=max_seq_len, **kw)
+    return engine.start() if start else engine
+
+
 @pytest.fixture(scope="session")
 def engine():
-    engine = Engine.for_testing(preset="test", mesh_dim="1,1,1,1", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
+    engine = make_engine(preset="test", mesh_dim="1,1,1,1", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
     yield engine
     engine.stop()
 

@@ -10,7 +10,8 @@ import pytest
 from meshlm import mesh as meshlib
 from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
-from meshlm.serve.engine import Engine, GenerationRequest, length_buckets
+from meshlm.serve.engine import Engine, GenerationRequest
+from meshlm.serve.shapes import length_buckets
 from meshlm.serve.loading import LoadedModel
 from meshlm.serve.sampling import SamplingParams
 
@@ -80,7 +81,7 @@ def test_greedy_with_cache_matches_full_forward(reference, host_params, mesh_dim
         engine.stop()
     assert got == reference
     assert engine.compiled_shapes() == 2, "traffic after warm-up compiled a new shape"
-    assert engine._state.cache_k[0].sharding.spec == place(CFG, mesh).cache_sharding().spec
+    assert engine.steps.state.cache_k[0].sharding.spec == place(CFG, mesh).cache_sharding().spec
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The `test` preset with random weights and a byte-level tokenizer, as `meshlm export` writes it."""
-    from meshlm.checkpoint.export import save_params
+    from meshlm.checkpoint.convert import save_params
     from meshlm.data.tokenizer import train_tokenizer
     from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place

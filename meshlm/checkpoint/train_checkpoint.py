@@ -1,13 +1,13 @@
-"""Parameters out of a training checkpoint: `meshlm export` (params only, compute dtype, for serving).
+"""The parameters of a training checkpoint (`manager.Checkpointer`), read as a weight source.
 
-A training checkpoint (`Checkpointer`, manager.py) holds the whole train state: step, params and optimizer
-moments (3x the params with Adam). Export reads only the params, one leaf at a time, with an Orbax partial
-restore into host memory (peak: the largest stacked leaf, e.g. [L, E, M] in the param dtype), casts each to
-the compute dtype and streams it into a meshlm params folder (`params.safetensors` + `config.json` +
-`tokenizer/` from the run's output_dir), the format `hf.load_params` places straight onto any mesh.
+A training checkpoint holds the whole train state: step, params and optimizer moments (3x the params with
+Adam). `TrainCheckpoint` reads only the params: leaf by leaf into host memory with an Orbax partial restore
+(for export and convert: one whole leaf at a time, e.g. a stacked [L, E, M]), or every device's shards
+straight into their shardings (`load`).
 
-`--checkpoint` may name a run's output_dir (it holds checkpoints/), the checkpoints/ folder itself
-(newest complete step), or one step's folder (checkpoints/120).
+A checkpoint may be named by a run's output_dir (it holds checkpoints/), the checkpoints/ folder itself
+(newest complete step) or one step's folder (checkpoints/120). Orbax, and with it jax, is imported only
+when a checkpoint is opened.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from meshlm.checkpoint.hf import Leaf, Source, _get, carried_files, leaves, open_source, write_params
+from meshlm.checkpoint.folders import TOKENIZER_DIR, carried_files
+from meshlm.checkpoint.hf_map import Leaf, get_path, leaves, set_path
+from meshlm.checkpoint.source import WholeLeafSource
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 
@@ -70,7 +72,7 @@ def config_from_meta(model: dict) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-class TrainCheckpoint(Source):
+class TrainCheckpoint(WholeLeafSource):
     """The params of one step of a training checkpoint, restored leaf by leaf (or straight onto a mesh)."""
 
     def __init__(self, path: str | Path, step: int | None = None):
@@ -101,16 +103,15 @@ class TrainCheckpoint(Source):
             raise UsageError(f"checkpoint {self.where} has unreadable state ({type(e).__name__}); pass another step") from None
         for leaf in leaves(self.cfg):
             try:
-                shape = tuple(_get(self._stored, leaf.path).shape)
+                shape = tuple(get_path(self._stored, leaf.path).shape)
             except (KeyError, TypeError):
                 raise UsageError(f"checkpoint {self.where} has no parameter {leaf.name}") from None
             if shape != leaf.full_shape:
                 raise UsageError(f"checkpoint {self.where}: {leaf.name} has shape {shape}, expected {leaf.full_shape}")
-        self.carried = carried_files(run_dir / "tokenizer") if run_dir is not None else ()
-        self._cached: tuple[str, np.ndarray] | None = None
+        self.carried = carried_files(run_dir / TOKENIZER_DIR) if run_dir is not None else ()
 
     def dtype(self, leaf: Leaf) -> np.dtype:
-        return np.dtype(_get(self._stored, leaf.path).dtype)
+        return np.dtype(get_path(self._stored, leaf.path).dtype)
 
     def _restore(self, item: dict, restore_args: dict) -> dict:
         import orbax.checkpoint as ocp
@@ -126,24 +127,15 @@ class TrainCheckpoint(Source):
                 f"checkpoint {self.where} is incomplete or corrupt ({type(e).__name__}: {first}); pass another step"
             ) from None
 
-    def _leaf(self, leaf: Leaf) -> np.ndarray:
-        """One whole leaf in host memory; the last one is kept so per-layer reads restore it once."""
+    def whole_leaf(self, leaf: Leaf) -> np.ndarray:
+        """One whole leaf in host memory, by an Orbax partial restore of that leaf alone."""
         import orbax.checkpoint as ocp
 
-        if self._cached is None or self._cached[0] != leaf.name:
-            self._cached = None
-            item, args = {}, {}
-            _put(item, leaf.path, 0)
-            _put(args, leaf.path, ocp.RestoreArgs(restore_type=np.ndarray))
-            self._cached = (leaf.name, np.asarray(_get(self._restore(item, args), leaf.path)))
-        return self._cached[1]
-
-    def block(self, leaf: Leaf, layer: int | None) -> np.ndarray:
-        arr = self._leaf(leaf)
-        return arr[layer] if layer is not None else arr
-
-    def slice(self, leaf: Leaf, index: tuple[slice, ...]) -> np.ndarray:
-        return self._leaf(leaf)[tuple(index)]
+        item: dict = {}
+        args: dict = {}
+        set_path(item, leaf.path, 0)
+        set_path(args, leaf.path, ocp.RestoreArgs(restore_type=np.ndarray))
+        return np.asarray(get_path(self._restore(item, args), leaf.path))
 
     def load(self, placement) -> Any:
         """Orbax reads each device's shards straight into `placement.shardings` (cast to the param dtype)."""
@@ -153,52 +145,8 @@ class TrainCheckpoint(Source):
         return self._restore(abstract, ocp.checkpoint_utils.construct_restore_args(abstract))
 
     def close(self) -> None:
-        self._cached = None
+        super().close()
         self._ckptr.close()
 
 
-class ArraySource(Source):
-    """Parameters in memory (a pure dict of jax or numpy arrays), one leaf fetched to the host at a time."""
-
-    def __init__(self, params: Any, cfg: ModelConfig, tokenizer_dir: str | Path | None = None):
-        self.params, self.cfg, self.where = params, cfg, "parameters in memory"
-        self.carried = carried_files(Path(tokenizer_dir)) if tokenizer_dir else ()
-        self._cached: tuple[str, np.ndarray] | None = None
-
-    def dtype(self, leaf: Leaf) -> np.dtype:
-        return np.dtype(_get(self.params, leaf.path).dtype)
-
-    def _leaf(self, leaf: Leaf) -> np.ndarray:
-        if self._cached is None or self._cached[0] != leaf.name:
-            self._cached = None
-            self._cached = (leaf.name, np.asarray(_get(self.params, leaf.path)))
-        return self._cached[1]
-
-    def block(self, leaf: Leaf, layer: int | None) -> np.ndarray:
-        arr = self._leaf(leaf)
-        return arr[layer] if layer is not None else arr
-
-    def slice(self, leaf: Leaf, index: tuple[slice, ...]) -> np.ndarray:
-        return self._leaf(leaf)[tuple(index)]
-
-
-def export_params(checkpoint: str | Path, out: str | Path, dtype: str | None = None, step: int | None = None) -> Path:
-    """`meshlm export --checkpoint=D --out=P`: params only, in the model's compute dtype unless `dtype` is given."""
-    with open_source(checkpoint, step) as source:
-        return write_params(source, out, dtype or source.cfg.dtype, flag="--out")
-
-
-def save_params(
-    params: Any, cfg: ModelConfig, out: str | Path, dtype: str | None = None, tokenizer_dir: str | Path | None = None
-) -> Path:
-    """Write in-memory parameters (single process) as a meshlm params folder."""
-    return write_params(ArraySource(params, cfg, tokenizer_dir), out, dtype)
-
-
-def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-__all__ = ["export_params", "save_params", "find_checkpoint", "is_train_checkpoint", "TrainCheckpoint", "ArraySource"]
+__all__ = ["TrainCheckpoint", "find_checkpoint", "is_train_checkpoint", "config_from_meta"]

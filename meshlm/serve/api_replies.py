@@ -1,0 +1,108 @@
+"""The HTTP API's replies in OpenAI's shapes: a whole reply, or a stream of server-sent events.
+
+A whole reply waits for the engine's last event while watching the connection: a client that hangs
+up has its request cancelled in the engine, which frees its batch slot at once. A stream sends one
+chunk per engine event, an optional usage chunk, then `data: [DONE]`; a request the engine ends
+without finishing it ends the stream with an error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+from fastapi import Request
+
+from meshlm.serve.api_errors import engine_failure
+
+log = logging.getLogger("meshlm.serve.api")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def usage(handle) -> dict[str, int]:
+    prompt, completion = handle.prompt_tokens, handle.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_choice(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def chat_delta(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_opening() -> dict:
+    """The first choice of a streamed chat reply: the assistant's role, no text yet."""
+    return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+async def reply_or_hang_up(request: Request, handle) -> tuple[str, str] | None:
+    """The whole reply and its finish reason; None if the client hung up first (the engine is told)."""
+    parts: list[str] = []
+    finish_reason = None
+
+    async def cancel_on_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(cancel_on_disconnect, tasks.cancel_scope)
+        try:
+            async for event in handle:
+                parts.append(event.text)
+                finish_reason = event.finish_reason or finish_reason
+        finally:
+            if finish_reason is None:
+                handle.cancel()
+        tasks.cancel_scope.cancel()
+    return None if finish_reason is None else ("".join(parts), finish_reason)
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+async def event_stream(handle, chunk: Callable[[list[dict], dict | None], dict],
+                       choice: Callable[[str, str | None], dict], *, first_choice: dict | None = None,
+                       include_usage: bool = False) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per engine event, an optional usage chunk, then `[DONE]`.
+
+    `chunk(choices, usage)` makes an event's body; `choice(text, finish_reason)` one choice in it.
+
+    Starlette stops iterating when the client disconnects; the `finally` then cancels the request.
+    """
+    finished = False
+    try:
+        if first_choice is not None:
+            yield sse(chunk([first_choice], None))
+        async for event in handle:
+            finished = event.finish_reason is not None
+            if failure := engine_failure(event.finish_reason):
+                yield sse(failure.body())
+                return
+            if event.text or finished:
+                yield sse(chunk([choice(event.text, event.finish_reason)], None))
+        if include_usage:
+            yield sse(chunk([], usage(handle)))
+        yield sse("[DONE]")
+    except Exception:
+        log.exception("streaming a reply failed")
+        yield sse(engine_failure("error").body())
+    finally:
+        if not finished:
+            handle.cancel()
+
+
+__all__ = ["SSE_HEADERS", "usage", "completion_choice", "chat_choice", "chat_delta", "chat_opening",
+           "reply_or_hang_up", "sse", "event_stream"]

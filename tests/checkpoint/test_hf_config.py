@@ -1,0 +1,69 @@
+"""One reading of a Hugging Face config.json: `--model=`, `--init_from=hf:`, convert and a params folder refuse
+the same bad config with the same one-line error."""
+
+import json
+
+import pytest
+
+from meshlm.checkpoint.convert import convert_from_hf
+from meshlm.checkpoint.params_folder import PARAMS_FILE
+from meshlm.checkpoint.weights import read_model_config
+from meshlm.errors import UsageError
+from meshlm.models.configs import from_hf_config, read_hf_config, resolve_model
+from tests.checkpoint.conftest import small_hf_config, write_numpy_hf
+
+BAD = {
+    "attention_bias": (dict(attention_bias=True), "attention_bias/mlp_bias models are not supported"),
+    "mlp_bias": (dict(mlp_bias=True), "attention_bias/mlp_bias models are not supported"),
+    "gelu": (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    "yarn": (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "only 'llama3' is"),
+    "mistral": (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "only LLaMA-family"),
+}
+
+
+def error_of(fn, *args) -> str:
+    with pytest.raises(UsageError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_every_reader_refuses_a_bad_config_with_the_same_line(case, tmp_path):
+    changes, fragment = BAD[case]
+    hf_dir = write_numpy_hf(tmp_path / "hf", small_hf_config())  # real weights: only the config is wrong
+    config = hf_dir / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | changes))
+    params_dir = tmp_path / "params"  # a params folder whose config.json is the same bad one
+    params_dir.mkdir()
+    (params_dir / "config.json").write_text(config.read_text())
+    (params_dir / PARAMS_FILE).write_bytes(b"")
+
+    want = error_of(resolve_model, str(config))  # meshlm train --model=hf/config.json
+    assert want.startswith(f"{config}") and fragment in want and "\n" not in want
+    assert error_of(resolve_model, str(hf_dir), {"n_layers": "3"}) == want  # --model=hf (the folder)
+    assert error_of(convert_from_hf, hf_dir, tmp_path / "out") == want  # meshlm convert --from_hf=hf
+    assert error_of(read_model_config, f"hf:{hf_dir}") == want  # --init_from=hf:hf (and serve --checkpoint)
+    assert error_of(read_model_config, str(hf_dir)) == want
+    assert error_of(read_model_config, str(params_dir)) == want.replace(str(config), str(params_dir / "config.json"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_good_config_reads_the_same_everywhere(tmp_path):
+    hf_dir = write_numpy_hf(tmp_path / "hf", small_hf_config(rope_theta=20000.0))
+    cfg = read_hf_config(hf_dir / "config.json")
+    assert cfg.rope_theta == 20000.0 and cfg.n_kv_heads == 2
+    assert resolve_model(str(hf_dir)) == cfg
+    assert read_model_config(f"hf:{hf_dir}") == cfg
+    assert read_model_config(convert_from_hf(hf_dir, tmp_path / "p")) == cfg
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{nope")
+    assert error_of(read_hf_config, bad).startswith(f"{bad} is not valid JSON")
+    assert error_of(resolve_model, str(bad)) == error_of(read_hf_config, bad)
+    bad.write_text("[1, 2]")
+    assert "not a config.json" in error_of(resolve_model, str(tmp_path))
+    assert error_of(from_hf_config, {"model_type": "llama"}) == (
+        "config.json lacks the field 'num_attention_heads' that a LlamaConfig has"
+    )
