@@ -1,23 +1,11 @@
 """The command line: bad input is one line naming the fix and exit code 2; a short real run works end to end."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def meshlm(*args, env=None, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    env.pop("XLA_FLAGS", None)  # --devices must be what sets the device count
-    return subprocess.run(
-        [sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
-    )
-
+from tests.support.cli import meshlm
 
 BAD = [
     (["train", "--devices=8", "--mesh_dim=1,4,1,1"], "multiply to 4 but there are 8 devices"),

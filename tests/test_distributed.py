@@ -7,7 +7,6 @@ same job in this test process on 8 simulated devices.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,11 @@ from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, resolve_hybrid, split_over_hosts
 from meshlm.config import TrainConfig
 from meshlm.train.loop import train
+from tests.support.cli import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 # A constant learning rate, so a run cut short at step k continues like one that was always longer.
 JOB = ["--model=test", "--dataset=synthetic", "--batch_size=8", "--seq_len=32", "--log_every=1", "--lr=1e-2",
        "--warmup_steps=0", "--min_lr_ratio=1", "--dtype=float32", "--peak_tflops=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(n: int, flags: list[str], out: Path, devices_each: int = 4, port: int | None = None) -> list[subprocess.Popen]:

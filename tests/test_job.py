@@ -8,7 +8,7 @@ import pytest
 from meshlm.cli import main
 from meshlm.config import TrainConfig
 from meshlm.errors import UsageError
-from tests.checkpoint.conftest import small_hf_config, write_numpy_hf, write_tokenizer
+from tests.support.hf import small_hf_config, write_numpy_hf, write_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
 def _pipeline(args) -> tuple[PipelineFlags, int | None]:
     """The pipeline flags and --pp (None for auto), checked as `meshlm train` checks them."""
     from meshlm.ops.pipeline import check
-    from meshlm.plan.pipeline import PipelineFlags
+    from meshlm.plan.job import PipelineFlags
 
     flags = PipelineFlags(args.pipeline_schedule, args.microbatches, args.virtual_stages)
     if args.pp == "auto":
@@ -74,7 +74,7 @@ def _pipeline(args) -> tuple[PipelineFlags, int | None]:
 
 def _check_pipeline(flags, pp: int, n_layers: int, batch_size: int, grad_accum: int) -> None:
     """`meshlm train`'s checks of the pipeline flags, on the mesh's pp alone (the data axes come later)."""
-    from meshlm.plan.pipeline import problem
+    from meshlm.plan.job import pipeline_problem as problem
 
     found = problem(flags, MeshShape(pp=pp), n_layers, batch_size, grad_accum) if pp > 1 else None
     if found:

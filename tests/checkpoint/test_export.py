@@ -21,7 +21,7 @@ from meshlm.models.configs import ModelConfig
 from meshlm.models.placement import place
 from meshlm.train.state import TrainState, state_shardings
 from meshlm.train.step import make_train_step, put_batch
-from tests.checkpoint.conftest import (
+from tests.support.hf import (
     hf_folder_logits, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama, torch_logits, write_tokenizer,
 )
 

@@ -18,7 +18,7 @@ from meshlm.checkpoint.weights import load_params, parse_init_from, read_model_c
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.placement import place
-from tests.checkpoint.conftest import (
+from tests.support.hf import (
     hf_folder_logits, hf_tensor_shapes, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama,
     torch_logits, write_numpy_hf, write_tokenizer,
 )

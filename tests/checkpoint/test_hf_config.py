@@ -10,7 +10,7 @@ from meshlm.checkpoint.params_folder import PARAMS_FILE
 from meshlm.checkpoint.weights import read_model_config
 from meshlm.errors import UsageError
 from meshlm.models.configs import from_hf_config, read_hf_config, resolve_model
-from tests.checkpoint.conftest import small_hf_config, write_numpy_hf
+from tests.support.hf import small_hf_config, write_numpy_hf
 
 BAD = {
     "attention_bias": (dict(attention_bias=True), "attention_bias/mlp_bias models are not supported"),

@@ -14,7 +14,7 @@ from meshlm.job import resolve
 from meshlm.ops.pipeline import FWD, BWD, build_schedule
 from meshlm.plan.hlo import parse_collectives
 from meshlm.config import TrainConfig
-from tests.test_cli import meshlm
+from tests.support.cli import meshlm
 
 BASE = dict(model="test", model_overrides={"n_layers": "4"}, batch_size=8, seq_len=32, dtype="float32")
 CASES = {

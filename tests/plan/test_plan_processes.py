@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from meshlm.cli import main
-from tests.test_distributed import ROOT, free_port
+from tests.support.cli import ROOT, free_port
 
 JOB = ["plan", "--model=test", "--batch_size=8", "--seq_len=32", "--hardware=h100", "--dtype=float32",
        "--mesh_dim=pp:2,tp:4", "--verify=1", "--json", "--top=1"]
