@@ -17,18 +17,16 @@ Nothing is trained; the step is compiled with abstract inputs, nothing allocated
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshlm import hlo
 from meshlm.errors import UsageError
 from meshlm.models.placement import Placement
-from meshlm.plan import hlo
 from meshlm.strategy.rules import flatten
 from meshlm.strategy.zero import formula_bytes
 
@@ -103,7 +101,7 @@ def state_memory(placement: Placement, compiled_step, compiled_grads, batch: dic
 class CollectiveRow:
     kind: str
     axes: tuple[str, ...]  # mesh axes the devices of one group differ in
-    payload_bytes: int  # per execution (see meshlm.plan.hlo)
+    payload_bytes: int  # per execution (see meshlm.hlo)
     count: int  # executions per step
     where: str
 
@@ -112,67 +110,17 @@ class CollectiveRow:
         return self.payload_bytes * self.count
 
 
-def _first_group(rest: str, n: int) -> list[int] | None:
-    """Device ids of the first replica group (or source-target pair), from any spelling XLA prints."""
-    if m := re.search(r"replica_groups=\{\{([^}]*)\}", rest):
-        return [int(x) for x in m.group(1).split(",") if x.strip()]
-    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest):
-        ids = np.arange(n).reshape([int(d) for d in m.group(3).split(",")])
-        if m.group(4):
-            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-        return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
-                      rest):
-        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-        keep = set(re.findall(r"'([^']+)'", m.group(4)))
-        ids = np.arange(n)
-        if m.group(2):  # the devices in mesh order, as an iota reshaped and transposed
-            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
-            ids = ids.transpose([int(d) for d in m.group(3).split(",")]) if m.group(3) else ids
-        ids = ids.reshape([int(s) for _, s in names])
-        return ids[tuple(slice(None) if name in keep else 0 for name, _ in names)].ravel().tolist()
-    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest):
-        pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-        return list(next((p for p in pairs if p[0] != p[1]), pairs[0] if pairs else ()))  # a device that moves
-    return None
-
-
-def _axes_of(ids: list[int] | None, mesh) -> tuple[str, ...]:
-    if not ids:
-        return ()
-    coords = np.array([np.unravel_index(i, mesh.devices.shape) for i in ids])
-    return tuple(name for k, name in enumerate(mesh.axis_names) if len(set(coords[:, k])) > 1)
-
-
 def collectives(text: str, placement: Placement) -> list[CollectiveRow]:
     """Every collective of a compiled program over more than one device, with its mesh axes and origin:
     the op name from the HLO metadata, or else the parameter whose shape the collective moves."""
-    mesh, n = placement.mesh, placement.mesh.devices.size
     by_shape: dict[tuple, list[str]] = {}
     for path, s in flatten(placement.shapes).items():
         by_shape.setdefault(tuple(s.shape), []).append(path)
-    comps, entry = hlo._computations(text)
-    mult = hlo._multipliers(comps, entry)
     rows = []
-    for name, lines in comps.items():
-        for line in lines:
-            m = hlo._INSTR.match(line)
-            if not m or mult.get(name, 0) == 0 or m.group(3).endswith("-done"):
-                continue
-            kind = m.group(3).removesuffix("-start")
-            if kind not in hlo.KINDS:
-                continue
-            one = hlo.parse_collectives(f"ENTRY %e () -> f32[] {{\n{line}\n}}")
-            if not one or one[0].group_size <= 1:
-                continue
-            result_shapes = [tuple(int(d) for d in dims.split(",") if d) for _, dims in hlo._ARRAY.findall(m.group(2))]
-            params = sorted({p for s in result_shapes for p in by_shape.get(s, [])})
-            op = one[0].op_name.removeprefix("jit(step)/")
-            where = op or ("parameter " + " | ".join(params) if params else "")
-            payload = one[0].payload_bytes
-            if kind == "reduce-scatter" and not hlo._array_bytes(m.group(4).split(")", 1)[0]):
-                payload *= one[0].group_size  # operands printed without shapes: the input is group × result
-            rows.append(CollectiveRow(kind, _axes_of(_first_group(m.group(4), n), mesh), payload, mult[name], where))
+    for c in hlo.on_mesh(text, placement.mesh):
+        params = sorted({p for s in c.result_shapes for p in by_shape.get(s, [])})
+        where = c.op_name or ("parameter " + " | ".join(params) if params else "")
+        rows.append(CollectiveRow(c.kind, c.axes, c.payload_bytes, c.count, where))
     return rows
 
 

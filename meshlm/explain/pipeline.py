@@ -1,8 +1,8 @@
 """What `--pp` does to the train step, for `meshlm explain`: the stage layout, per-stage memory, the
 schedule with its bubble, and the stage-to-stage transfers found in the compiled HLO.
 
-Read beside `meshlm.ops.pipeline` (the static schedule tables) and `meshlm.models.pipelined` (the model
-cut into stages). Facts the figures rest on:
+Read beside `meshlm.ops.pipeline` (the static schedule tables, read by `meshlm.plan.schedule`) and
+`meshlm.models.pipelined` (the model cut into stages). Facts the figures rest on:
   - every device runs the same SPMD program, so its compiled memory is the same on every pp rank; the
     stash buffer is sized for the rank that needs the most slots (`Schedule.act_slots`, plus a trash slot);
   - every rank sends at every clock that has a forward (an activation to the next rank) and at every clock
@@ -23,43 +23,14 @@ from jax.sharding import NamedSharding
 
 from meshlm.explain.analysis import CollectiveRow
 from meshlm.models.placement import Placement
-from meshlm.ops.pipeline import BWD, FWD, Schedule
+from meshlm.ops.pipeline import Schedule
+from meshlm.plan.schedule import clock_counts, rank_load
 from meshlm.strategy.rules import flatten
 
 AXIS = "pp"
 
 
 # ------------------------------------------------------------------------------------- the schedule
-
-
-def action_clocks(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    """[S, M] arrays: the clock at which each stage ran its forward, and its backward, of each microbatch."""
-    S, M = schedule.pp * schedule.virtual, schedule.microbatches
-    fwd_at, bwd_at = np.full((S, M), -1), np.full((S, M), -1)
-    for table, at in ((schedule.fwd, fwd_at), (schedule.bwd, bwd_at)):
-        for t, r in zip(*np.nonzero(table[:, :, 0])):
-            at[table[t, r, 1], table[t, r, 2]] = t
-    return fwd_at, bwd_at
-
-
-def rank_load(schedule: Schedule) -> list[dict]:
-    """Per pp rank, from the table: the most microbatches in flight at once (forward run, backward not yet),
-    the most stage inputs stashed at once (arrived, backward not yet run: what the activation buffer must
-    hold), and the messages that carry a microbatch (activations sent forward, cotangents sent back)."""
-    pp, S = schedule.pp, schedule.pp * schedule.virtual
-    fwd_at, bwd_at = action_clocks(schedule)
-    clocks = np.arange(schedule.clocks)[:, None, None]
-    out = []
-    for r in range(pp):
-        mine = [k for k in range(S) if k % pp == r]
-        flying = ((fwd_at[mine][None] <= clocks) & (clocks < bwd_at[mine][None])).sum(axis=(1, 2))
-        held = [k for k in mine if k > 0]  # stage 0 recomputes its input from the tokens: no stash
-        stashed = ((fwd_at[[k - 1 for k in held]][None] <= clocks) & (clocks < bwd_at[held][None])).sum(axis=(1, 2)) \
-            if held else np.zeros(1, int)
-        out.append(dict(rank=r, in_flight=int(flying.max()), stash=int(stashed.max()),
-                        acts_sent=int(sum(schedule.microbatches for k in mine if k < S - 1)),
-                        cots_sent=int(sum(schedule.microbatches for k in mine if k > 0))))
-    return out
 
 
 def schedule_picture(schedule: Schedule, max_width: int = 160) -> str:
@@ -88,8 +59,9 @@ def schedule_picture(schedule: Schedule, max_width: int = 160) -> str:
 
 
 def describe(schedule: Schedule) -> dict:
+    fwd, bwd = clock_counts(schedule)
     return dict(name=schedule.name, pp=schedule.pp, virtual_stages=schedule.virtual, stages=schedule.pp * schedule.virtual,
-                microbatches=schedule.microbatches, clocks=schedule.clocks, **describe_clocks(schedule),
+                microbatches=schedule.microbatches, clocks=schedule.clocks, forward_clocks=fwd, backward_clocks=bwd,
                 bubble=schedule.bubble(), theoretical_bubble=schedule.theoretical_bubble(),
                 act_slots=schedule.act_slots, cot_slots=schedule.cot_slots,
                 ranks=rank_load(schedule), picture=schedule_picture(schedule))
@@ -195,22 +167,17 @@ def transfers(rows: list[CollectiveRow], schedule: Schedule, microbatch_shape: t
     mine = [c for c in rows if role(c) == "stage transfer"]
     relayout = [c for c in rows if role(c) == "layers to virtual stages"]
     sizes = sorted({c.payload_bytes for c in mine})
-    d = describe_clocks(schedule)
+    fwd, bwd = clock_counts(schedule)
     per = sizes[0] if len(sizes) == 1 else None
     full = math.prod(microbatch_shape) * itemsize
     loads = rank_load(schedule)
     return {
         "compiled": {"ops": len(mine), "count": sum(c.count for c in mine), "bytes": sum(c.total_bytes for c in mine),
                      "payload_bytes": sizes},
-        "expected": {"activations": d["forward_clocks"], "cotangents": d["backward_clocks"],
-                     "count": d["forward_clocks"] + d["backward_clocks"],
-                     "bytes": (d["forward_clocks"] + d["backward_clocks"]) * per if per else None},
+        "expected": {"activations": fwd, "cotangents": bwd, "count": fwd + bwd,
+                     "bytes": (fwd + bwd) * per if per else None},
         "microbatch_shape": list(microbatch_shape), "microbatch_bytes": full, "per_device_bytes": per,
         "relayout_bytes": sum(c.total_bytes for c in relayout),
         "useful_by_rank": [dict(rank=r["rank"], activations=r["acts_sent"], cotangents=r["cots_sent"]) for r in loads],
     }
 
-
-def describe_clocks(schedule: Schedule) -> dict:
-    return dict(forward_clocks=int(np.count_nonzero(schedule.kinds & FWD)),
-                backward_clocks=int(np.count_nonzero(schedule.kinds & BWD)))

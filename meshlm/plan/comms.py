@@ -1,6 +1,6 @@
 """The collectives of one train step on one mesh, predicted from the model's shapes, and their time.
 
-Bytes are payload bytes per device, the measure `meshlm.plan.hlo` reads from compiled programs (the
+Bytes are payload bytes per device, the measure `meshlm.hlo` reads from compiled programs (the
 buffer a collective is about, unsharded over its group). Notation below: n tokens per device per
 micro-batch, E d_model, a / p bytes of an activation / parameter element, t = tp, s = sp,
 F = fsdp × sp (the axes that shard the weights' embed dimension), W one layer's weights in the
@@ -31,6 +31,10 @@ What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
 
 A `reduce-scatter` here may appear in a CPU-compiled program as all-reduce + slice; its payload is
 the same, its wire time is not (see `wire_seconds`).
+
+The model is that of the `default` strategy's tables (`meshlm.strategy.presets`), the layout `meshlm
+plan` plans; docs/plan.md says what it covers. Meshes with pipeline stages: `meshlm.plan.pipeline`
+builds their collectives with this module's `Collectives`; the time functions below serve both.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 
 from meshlm.mesh import AXES, MeshShape
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.job import Job, Local
+from meshlm.plan.job import Job
 
 RECOMPUTES_ATTN_OUT = ("full", "save_qkv_attn")
 RECOMPUTES_RING = ("full", "save_dots")
@@ -79,11 +83,7 @@ class Collectives(list):
 
 
 def predict(job: Job, shape: MeshShape) -> list[Collective]:
-    """Every collective of one step on this mesh (groups of one device are left out)."""
-    if shape.pp > 1:
-        from meshlm.plan.pipeline import collectives
-
-        return collectives(job, shape)
+    """Every collective of one step on a mesh without pipeline stages (groups of one device are left out)."""
     loc = job.local(shape)
     sizes = shape.as_dict()
     cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum

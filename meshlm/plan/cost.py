@@ -6,8 +6,8 @@ with the mesh axes that split it as a subscript, e.g. on mesh dp=2, fsdp=4, tp=2
     attn.out   B_dp,fsdp T H_tp D @ H_tp D E_fsdp = B_dp,fsdp T E  → all-reduce over tp
 
 (B batch, T length, E d_model, H / K query / kv heads, D head_dim, M MLP width, V vocab). The
-subscripts come from the strategy tables in `meshlm.sharding`, so the notation is the layout the
-program really has.
+subscripts come from the `default` strategy's tables (`meshlm.strategy.presets`), the layout `meshlm
+plan` plans, so the notation is the layout the program really has.
 
 Arithmetic intensity of an operator and one of its links = FLOPs / bytes sent over that link,
 with bytes counted as MaxText's sharding guide does: the payload, twice for an all-reduce (two
@@ -24,6 +24,9 @@ Step time (a roofline with overlap):
     step      = compute + exposed
 
 On simulated CPU devices collectives are copies on the same cores, so nothing overlaps there.
+
+The FLOPs and HBM traffic here are those of a mesh without pipeline stages; `meshlm.plan.pipeline`
+counts them per clock for pp > 1 and rates its rows with `rated_operators` and `step_time`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job, Local
 from meshlm.plan.memory import saved_per_token_layer
 from meshlm.plan.state_bytes import abstract_mesh
+from meshlm.strategy import DEFAULT
 from meshlm.train.metrics import model_flops_per_token
 
 _LETTER = {"batch": "B", "length": "T", "embed": "E", "heads": "H", "kv_heads": "K", "head_dim": "D",
@@ -81,7 +85,7 @@ class Operator:
         return self.intensity is not None and self.ridge is not None and self.intensity < self.ridge
 
 
-def _matmul_flops(loc: Local) -> dict[str, float]:
+def matmul_flops(loc: Local) -> dict[str, float]:
     """Forward FLOPs per device per micro-batch of each operator group (2 per multiply-add)."""
     n, c = loc.tokens, loc.cfg
     causal_span = loc.job.seq_len / 2  # each query attends on average to half the sequence
@@ -94,16 +98,18 @@ def _matmul_flops(loc: Local) -> dict[str, float]:
     }
 
 
-def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[comms.Collective]) -> list[Operator]:
+def operator_rows(job: Job, shape: MeshShape) -> dict[str, tuple[str, float | None]]:
+    """The operator table's rows: name -> (sharding notation, FLOPs per device per step), the FLOPs left
+    None for the layers' operators, whose count depends on how the step runs them."""
     loc = job.local(shape)
-    cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
-    acts, params = sharding.DEFAULT.activations, sharding.DEFAULT.params
+    A = job.grad_accum
+    acts, params = DEFAULT.activations, DEFAULT.params
 
     def nt(kind, *logical):
         return notation(tuple(logical), acts if kind == "a" else params, shape)
 
     x = nt("a", "batch", "length", "embed")
-    rows = {
+    return {
         "embed": (f"lookup {nt('p', 'vocab', 'embed')} → {nt('a', 'vocab', 'embed')}: {x}", 0.0),
         "attn.qkv": (f"{x} @ {nt('p', 'embed', 'heads', 'head_dim')} = {nt('a', 'batch', 'length', 'heads', 'head_dim')} (and k, v)", None),
         "attention": (f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('a', 'batch', 'length', 'kv_heads', 'head_dim')}ᵀ"
@@ -116,24 +122,28 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
         "loss": (f"softmax over {nt('a', 'batch', 'length', 'vocab')}", 0.0),
         "norms": (f"RMSNorm {nt('p', 'embed')}", 0.0),
     }
-    pipelined = {}
-    if shape.pp > 1:
-        from meshlm.plan.pipeline import operator_flops, schedule_of
 
-        pipelined = operator_flops(job, shape)
-        s = schedule_of(job.pipeline, shape.pp)
-        rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
-                            f" of {job.batch_size // s.microbatches} rows, ring over pp)", 0.0)
-    fwd = _matmul_flops(loc)
-    recomputed = _RECOMPUTED.get(cfg.remat, set())
+
+def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[comms.Collective]) -> list[Operator]:
+    """The rated operator table of a step without pipeline stages: each layer operator runs forward and
+    backward (3×) plus its recomputation, in every layer and micro-batch."""
+    loc = job.local(shape)
+    L, A = job.cfg.n_layers, job.grad_accum
+    fwd = matmul_flops(loc)
+    recomputed = _RECOMPUTED.get(job.cfg.remat, set())
+    rows = {name: (text, fwd[name] * (3 + (name in recomputed)) * L * A if flops is None else flops)
+            for name, (text, flops) in operator_rows(job, shape).items()}
+    return rated_operators(rows, job, shape, hw, collectives)
+
+
+def rated_operators(rows: dict[str, tuple[str, float]], job: Job, shape: MeshShape, hw: Hardware,
+                    collectives: list[comms.Collective]) -> list[Operator]:
+    """One `Operator` per row (name -> (notation, FLOPs)) with its collectives, times and intensity."""
+    loc = job.local(shape)
     ops = []
     for name, (text, flops) in rows.items():
-        if name in pipelined:
-            flops = pipelined[name]
-        elif flops is None:
-            flops = fwd[name] * (3 + (name in recomputed)) * L * A
         op = Operator(name, text, flops, [c for c in collectives if c.op == name])
-        op.compute_s = flops / hw.peak_flops(cfg.dtype)
+        op.compute_s = flops / hw.peak_flops(job.cfg.dtype)
         _rate(op, shape, hw, loc)
         ops.append(op)
     return ops
@@ -204,18 +214,18 @@ class StepTime:
     mfu: float
 
 
-def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[Operator],
-              collectives: list[comms.Collective], params_bytes: int) -> StepTime:
+def elementwise_bytes(job: Job, shape: MeshShape) -> float:
+    """Bytes the non-matmul work of a step without pipeline stages streams per device: each saved
+    activation about three times (forward, backward, recompute)."""
     loc = job.local(shape)
-    a, p = job.act_bytes, job.param_bytes
-    # Non-matmul work streams each saved activation about three times (forward, backward, recompute)
-    # and the optimizer reads parameter, gradient and both moments and writes three of them back.
-    if shape.pp > 1:
-        from meshlm.plan.pipeline import elementwise_bytes
+    return 3 * job.cfg.n_layers * job.grad_accum * loc.tokens * saved_per_token_layer(loc, "none") * job.act_bytes
 
-        elementwise = elementwise_bytes(job, shape)
-    else:
-        elementwise = 3 * job.cfg.n_layers * job.grad_accum * loc.tokens * saved_per_token_layer(loc, "none") * a
+
+def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[Operator],
+              collectives: list[comms.Collective], params_bytes: int, elementwise: float) -> StepTime:
+    """The step's time from its operators, its collectives and `elementwise`, the bytes its non-matmul
+    work streams (`elementwise_bytes`, or the pipeline's); the optimizer reads parameter, gradient and
+    both moments and writes three of them back."""
     optimizer = 7 * params_bytes
     memory_s = (elementwise + optimizer) / hw.hbm_bandwidth
     compute_s = sum(op.compute_s for op in ops) + memory_s

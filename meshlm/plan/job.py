@@ -1,23 +1,70 @@
-"""What is being planned: one training job (model, batch, sequence, devices) and its shape on one device.
+"""What is being planned: one training job (model, batch, sequence, devices, pipeline flags) and its
+shape on one device. The bottom of `meshlm.plan`: every estimator reads these types.
 
-`Job` holds the global figures; `job.local(mesh_shape)` the figures one device sees on that mesh:
-its rows and tokens per micro-batch and its shard of heads, MLP width and vocabulary.
+`Job` holds the global figures and `job.problem(mesh_shape)` says why a mesh cannot run it (the checks
+`meshlm train` makes); `job.local(mesh_shape)` gives the figures one device sees on that mesh: its
+rows and tokens per micro-batch and its shard of heads, MLP width and vocabulary. `PipelineFlags` are
+the `--pipeline_schedule`, `--microbatches` and `--virtual_stages` the job uses on meshes with pp > 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import jax.numpy as jnp
 
+from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, check_shape_fits
 from meshlm.models.configs import ModelConfig
-from meshlm.plan.pipeline import PipelineFlags, problem as pipeline_problem
 
 # meshlm.models.llama.attend switches from dense to blockwise (flash) attention at this length when
 # the sequence is not split; with sp > 1 attention is RingAttention.
 BLOCKWISE_MIN_LEN, BLOCKWISE_MULTIPLE = 1024, 512
+
+
+@dataclass(frozen=True)
+class PipelineFlags:
+    """`--pipeline_schedule`, `--microbatches` (None: 2·pp, as `meshlm train`), `--virtual_stages`."""
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+
+    def microbatches_for(self, pp: int) -> int:
+        return self.microbatches or 2 * pp
+
+    def flags(self, pp: int) -> list[str]:
+        """The train flags for this pipeline on pp stages (defaults left out)."""
+        out = [f"--pp={pp}"]
+        if self.schedule != "1f1b":
+            out.append(f"--pipeline_schedule={self.schedule}")
+        if self.microbatches is not None:
+            out.append(f"--microbatches={self.microbatches}")
+        if self.virtual_stages != 1:
+            out.append(f"--virtual_stages={self.virtual_stages}")
+        return out
+
+
+def pipeline_problem(flags: PipelineFlags, shape: MeshShape, n_layers: int, batch_size: int,
+                     grad_accum: int) -> str | None:
+    """Why this pipelined mesh cannot run the job (`meshlm train`'s checks of the pipeline flags), or None."""
+    return _pipeline_problem(flags, shape.pp, shape.data, n_layers, batch_size, grad_accum)
+
+
+@lru_cache(maxsize=256)
+def _pipeline_problem(flags: PipelineFlags, pp: int, data: int, n_layers: int, batch_size: int,
+                      grad_accum: int) -> str | None:
+    from meshlm.config import TrainConfig
+    from meshlm.job import pipeline_schedule
+
+    cfg = TrainConfig(pp=pp, pipeline_schedule=flags.schedule, microbatches=flags.microbatches,
+                      virtual_stages=flags.virtual_stages, batch_size=batch_size, grad_accum=grad_accum)
+    try:
+        pipeline_schedule(cfg, MeshShape(fsdp=data, pp=pp), n_layers)
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 @dataclass(frozen=True)

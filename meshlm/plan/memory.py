@@ -27,12 +27,15 @@ the peak is the larger of the two:
 Each place is a sum of terms (sizes below), each with a coefficient: about how many buffers of that
 size XLA's buffer assignment holds there (a fit, so a coefficient below 1 means "partly live"). The
 coefficients were fitted once, by a linear program that minimises the worst relative error, to the
-compiled peak of 30 (model, mesh, remat, batch, seq_len, grad_accum) cases on 8 simulated CPU
-devices: all 30 lie within -2.0% .. +9.0% of the compiled peak (`bench/plan_accuracy.py` prints the
-figures for the 12-case test grid). They describe XLA:CPU's schedule; other backends schedule
-differently, so treat the temporaries as an estimate and the state, gradients and activations as the
-firm part. Peak memory is the state plus the batch plus the larger place, the figure
-`compiled.memory_analysis()` gives as argument + output - alias + temp bytes.
+compiled peak of (model, mesh, remat, batch, seq_len, grad_accum) cases on simulated CPU devices
+(docs/plan.md, "Accuracy", gives the cases and the errors; `bench/plan_accuracy.py` measures them).
+They describe XLA:CPU's schedule; other backends schedule differently, so treat the temporaries as an
+estimate and the state, gradients and activations as the firm part. Peak memory is the state plus the
+batch plus the larger place, the figure `compiled.memory_analysis()` gives as argument + output -
+alias + temp bytes.
+
+Meshes without pipeline stages only: `meshlm.plan.pipeline` estimates pp > 1 (on top of this module's
+terms), and `meshlm.plan.estimate` picks one or the other.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from meshlm.plan.job import Job, Local
 from meshlm.plan.state_bytes import state_bytes
 
 # Buffers of each size live at each of the two places (see the module docstring), fitted to
-# XLA:CPU's buffer assignment over 30 cases on 8 devices: every case within -2.0% .. +9.0%.
+# XLA:CPU's buffer assignment (docs/plan.md, "Accuracy").
 #   logits      float32 [n, V/tp] logits or their gradient
 #   tables      [V/tp, E] in param dtype: the gathered embedding table or head, or its gradient
 #   stream      [n, E] activations: the residual stream, norm outputs and their gradients
@@ -96,10 +99,7 @@ class MemoryPie:
 
 
 def estimate(job: Job, shape: MeshShape) -> MemoryPie:
-    if shape.pp > 1:
-        from meshlm.plan.pipeline import estimate as pipelined
-
-        return pipelined(job, shape)
+    """The memory pie of one device on a mesh without pipeline stages."""
     loc = job.local(shape)
     cfg = job.cfg
     state = state_bytes(cfg)

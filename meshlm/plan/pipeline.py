@@ -1,5 +1,6 @@
 """Pipeline stages (`--pp`) in the plan: the schedule's own numbers, memory per stage, the bubble and
-the stage-to-stage transfers.
+the stage-to-stage transfers; the estimator for meshes with pp > 1, built on the flat one's terms
+(`memory`, `comms`, `cost`, `state_bytes`), which know nothing of stages.
 
 What a pipelined train step (`meshlm.models.pipelined`, `meshlm.ops.pipeline`) really does, and so
 what is modelled here:
@@ -31,22 +32,30 @@ and the working set one stage's backward keeps (all its layers' activations for 
 the clocks, the gathered tables and layer weights and their gradients. Like `meshlm.plan.memory`,
 terms other than the stash have a coefficient fitted to XLA:CPU's buffer assignment (`COEFFS`; see
 docs/plan.md for the cases and the errors).
+
+The schedule flags and the checks of them are `meshlm.plan.job.PipelineFlags` and `pipeline_problem`;
+the readings of the schedule table, `meshlm.plan.schedule`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 
-from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
-from meshlm.ops.pipeline import Schedule, build_schedule
+from meshlm.ops.pipeline import Schedule
+from meshlm.plan import comms, cost
+from meshlm.plan.hardware import Hardware
+from meshlm.plan.job import Job, Local
+from meshlm.plan.memory import BATCH_FIELDS, MemoryPie, saved_per_token_layer
+from meshlm.plan.schedule import clock_counts, in_flight_per_rank, schedule_of, stage_layers
+from meshlm.plan.state_bytes import local_elements, state_bytes
+from meshlm.strategy import DEFAULT
 
 # Buffers of each size live at the compiled peak of a pipelined step: the stash counted whole, the
-# other coefficients fitted to XLA:CPU over the 56 cases in docs/plan.md by a linear program that
+# other coefficients fitted to XLA:CPU over the fit set in docs/plan.md by a linear program that
 # minimises the worst over-prediction of the total with no case more than 6% under (a plan should
-# err high) and the float32 gradient sums at 1 or more: all 56 lie within -6.0% .. +11.4%.
+# err high) and the float32 gradient sums at 1 or more (docs/plan.md gives the errors).
 #   acc_layers   the float32 gradient sums of the rank's layers (the clock loop's carry)
 #   acc_tables   the float32 gradient sums of the embedding, final norm and head (replicated over pp)
 #   scan         the stage's layer-stacked gradient of one backward clock (stages of 2 layers or more)
@@ -62,78 +71,6 @@ ACTIVATION_TERMS = ("stash", "stream", "stage")
 NAMES = {"acc_layers": "float32 gradient sums of the layers", "acc_tables": "float32 gradient sums of embedding and head",
          "scan": "stacked layer gradients of a backward clock", "stage_slice": "one virtual stage's weights",
          "tables": "embedding and head gathered over fsdp·sp", "weights": "one layer's weights or gradient, gathered"}
-
-
-@dataclass(frozen=True)
-class PipelineFlags:
-    """`--pipeline_schedule`, `--microbatches` (None: 2·pp, as `meshlm train`), `--virtual_stages`."""
-
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    virtual_stages: int = 1
-
-    def microbatches_for(self, pp: int) -> int:
-        return self.microbatches or 2 * pp
-
-    def flags(self, pp: int) -> list[str]:
-        """The train flags for this pipeline on pp stages (defaults left out)."""
-        out = [f"--pp={pp}"]
-        if self.schedule != "1f1b":
-            out.append(f"--pipeline_schedule={self.schedule}")
-        if self.microbatches is not None:
-            out.append(f"--microbatches={self.microbatches}")
-        if self.virtual_stages != 1:
-            out.append(f"--virtual_stages={self.virtual_stages}")
-        return out
-
-
-def problem(flags: PipelineFlags, shape: MeshShape, n_layers: int, batch_size: int, grad_accum: int) -> str | None:
-    """Why this pipelined mesh cannot run the job (`meshlm train`'s checks), or None."""
-    return _problem(flags, shape.pp, shape.data, n_layers, batch_size, grad_accum)
-
-
-@lru_cache(maxsize=256)
-def _problem(flags: PipelineFlags, pp: int, data: int, n_layers: int, batch_size: int, grad_accum: int) -> str | None:
-    from meshlm.train.loop import TrainConfig, pipeline_schedule
-
-    cfg = TrainConfig(pp=pp, pipeline_schedule=flags.schedule, microbatches=flags.microbatches,
-                      virtual_stages=flags.virtual_stages, batch_size=batch_size, grad_accum=grad_accum)
-    try:
-        pipeline_schedule(cfg, MeshShape(fsdp=data, pp=pp), n_layers)
-    except UsageError as e:
-        return str(e)
-    return None
-
-
-@lru_cache(maxsize=128)
-def _schedule(name: str, pp: int, M: int, V: int) -> Schedule:
-    return build_schedule(name, pp, M, V)
-
-
-def schedule_of(flags: PipelineFlags, pp: int) -> Schedule:
-    """The static schedule table `meshlm train` runs for these flags on pp stages."""
-    return _schedule(flags.schedule, pp, flags.microbatches_for(pp), flags.virtual_stages)
-
-
-def in_flight_per_rank(s: Schedule) -> list[int]:
-    """Stage inputs each rank stashes at its busiest (`meshlm explain`'s reading of the table)."""
-    from meshlm.explain.pipeline import rank_load
-
-    return [r["stash"] for r in rank_load(s)]
-
-
-def clock_counts(s: Schedule) -> tuple[int, int]:
-    """(clocks with a forward, clocks with a backward): every rank runs, and sends, in each."""
-    from meshlm.explain.pipeline import describe_clocks
-
-    clocks = describe_clocks(s)
-    return clocks["forward_clocks"], clocks["backward_clocks"]
-
-
-def stage_layers(n_layers: int, s: Schedule, rank: int) -> list[tuple[int, int]]:
-    """[first, last] layer of each stage this rank runs."""
-    per = n_layers // (s.pp * s.virtual)
-    return [((v * s.pp + rank) * per, (v * s.pp + rank + 1) * per - 1) for v in range(s.virtual)]
 
 
 @dataclass(frozen=True)
@@ -158,29 +95,26 @@ class StageShape:
         return self.tokens * self.d_model * self.act_bytes // self.split
 
 
-def stage_shape(job, shape: MeshShape) -> StageShape:
+def stage_shape(job: Job, shape: MeshShape) -> StageShape:
     s = schedule_of(job.pipeline, shape.pp)
     return StageShape(job.batch_size // s.microbatches, job.seq_len, job.cfg.d_model, shape.data * shape.sp,
                       job.cfg.n_layers // (shape.pp * s.virtual), job.act_bytes)
 
 
-def in_stage_local(job, shape: MeshShape):
+def in_stage_local(job: Job, shape: MeshShape) -> Local:
     """`Local` for per-token counts inside a stage: tp splits heads and MLP; attention is not a ring."""
     return job.local(dataclasses.replace(shape, sp=1, pp=1))
 
 
-def memory_terms(job, shape: MeshShape) -> dict[str, int]:
+def memory_terms(job: Job, shape: MeshShape) -> dict[str, int]:
     """Sizes in bytes per device of each `COEFFS` term on this pipelined mesh."""
-    from meshlm.plan.memory import saved_per_token_layer
-    from meshlm.plan.state_bytes import _local_elements, state_bytes
-
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     loc = in_stage_local(job, shape)
     state = state_bytes(job.cfg)
     sizes = shape.as_dict()
     stacked = [leaf for leaf in state.params if leaf.logical and "layers" in leaf.logical]
-    layers = 4 * sum(_local_elements(leaf, sizes, state.strategy) for leaf in stacked)
+    layers = 4 * sum(local_elements(leaf, sizes, state.strategy) for leaf in stacked)
     tables = 4 * (state.params_bytes(shape) // job.param_bytes) - layers
     a, n, split = job.act_bytes, st.tokens, st.split
     gathered = shape.fsdp * shape.sp > 1
@@ -197,11 +131,8 @@ def memory_terms(job, shape: MeshShape) -> dict[str, int]:
     }
 
 
-def estimate(job, shape: MeshShape):
+def estimate(job: Job, shape: MeshShape) -> MemoryPie:
     """The memory pie of one device (every rank allocates the same buffers) on a pipelined mesh."""
-    from meshlm.plan.memory import BATCH_FIELDS, MemoryPie
-    from meshlm.plan.state_bytes import state_bytes
-
     state = state_bytes(job.cfg)
     params, grads, opt = state.params_bytes(shape), state.grads_bytes(shape), state.optimizer_bytes(shape)
     live = {k: int(COEFFS[k] * v) for k, v in memory_terms(job, shape).items()}
@@ -284,7 +215,7 @@ class PipelinePlan:
         }
 
 
-def plan_pipeline(job, shape: MeshShape, pie) -> PipelinePlan:
+def plan_pipeline(job: Job, shape: MeshShape, pie: MemoryPie) -> PipelinePlan:
     """Schedule, per-stage figures and transfers of a pp plan (times are filled by the cost model)."""
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
@@ -300,7 +231,7 @@ def plan_pipeline(job, shape: MeshShape, pie) -> PipelinePlan:
 # ------------------------------------------------------------------------------ collectives, time
 
 
-def collectives(job, shape: MeshShape) -> list:
+def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
     """The collectives of one pipelined step, per device.
 
     Exact: the stage transfers (one ppermute of a stage input per forward clock, one of a cotangent
@@ -313,15 +244,13 @@ def collectives(job, shape: MeshShape) -> list:
     recomputation and the backward) and their gradients reduce-scattered in each backward clock; the
     data axes sum the gradients of each backward clock.
     """
-    from meshlm.plan.comms import Collectives
-
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     loc = in_stage_local(job, shape)
     fwd, bwd = clock_counts(s)
     a, p, E, Ls = job.act_bytes, job.param_bytes, job.cfg.d_model, st.layers
     n = st.tokens // st.split  # tokens of a microbatch on one device
-    out = Collectives(shape)
+    out = comms.Collectives(shape)
     add = out.add
 
     add("collective-permute", ("pp",), st.slot_bytes, fwd, "pipeline", "pp: stage input to the next stage", False)
@@ -361,7 +290,7 @@ def collectives(job, shape: MeshShape) -> list:
     return list(out)
 
 
-def operator_flops(job, shape: MeshShape) -> dict[str, float]:
+def operator_flops(job: Job, shape: MeshShape) -> dict[str, float]:
     """FLOPs per device per step of each operator of a pipelined step.
 
     Each clock every rank runs its stage (L/(pp·V) layers) on one microbatch, split over the stage's
@@ -369,24 +298,32 @@ def operator_flops(job, shape: MeshShape) -> dict[str, float]:
     MLP over tp); forward clocks run it once, backward clocks three times (the recomputed forward and
     the backward), four with a `--remat` policy inside the stage; each backward clock also runs the
     head (forward and backward) on every rank."""
-    from meshlm.plan.cost import _matmul_flops
-
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     fwd, bwd = clock_counts(s)
     loc = in_stage_local(job, shape)
     n = st.tokens / st.split
     back = 3 + (1 if job.cfg.remat != "none" else 0)
-    out = {name: f / loc.tokens * n * st.layers * (fwd + back * bwd) for name, f in _matmul_flops(loc).items()}
+    out = {name: f / loc.tokens * n * st.layers * (fwd + back * bwd) for name, f in cost.matmul_flops(loc).items()}
     out["lm_head"] = 3 * 2 * n * loc.w_table * bwd
     return out
 
 
-def elementwise_bytes(job, shape: MeshShape) -> float:
+def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[comms.Collective]) -> list[cost.Operator]:
+    """The rated operator table of a pipelined step: the rows of `meshlm.plan.cost` with the FLOPs of
+    `operator_flops`, and a row for the stage transfers."""
+    flops = operator_flops(job, shape)
+    rows = {name: (text, flops.get(name, f)) for name, (text, f) in cost.operator_rows(job, shape).items()}
+    s = schedule_of(job.pipeline, shape.pp)
+    x = cost.notation(("batch", "length", "embed"), DEFAULT.activations, shape)
+    rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
+                        f" of {job.batch_size // s.microbatches} rows, ring over pp)", 0.0)
+    return cost.rated_operators(rows, job, shape, hw, collectives)
+
+
+def elementwise_bytes(job: Job, shape: MeshShape) -> float:
     """Bytes the non-matmul work of a pipelined step streams per device: one stage's activations on its
     share of a microbatch once per forward clock and three times per backward clock (every rank)."""
-    from meshlm.plan.memory import saved_per_token_layer
-
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     fwd, bwd = clock_counts(s)
@@ -394,7 +331,7 @@ def elementwise_bytes(job, shape: MeshShape) -> float:
     return per_clock * (fwd + 3 * bwd)
 
 
-def clock_seconds(job, shape: MeshShape, ops: list, hw) -> tuple[float, float]:
+def clock_seconds(job: Job, shape: MeshShape, ops: list[cost.Operator], hw: Hardware) -> tuple[float, float]:
     """(forward clock, backward clock) compute seconds on every rank, from the operator table's step
     totals split over the clocks in proportion to their work."""
     s = schedule_of(job.pipeline, shape.pp)

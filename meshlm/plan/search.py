@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, all_mesh_shapes
-from meshlm.plan import comms, cost, memory, pipeline
+from meshlm.plan import comms, cost, estimate, memory, pipeline
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 from meshlm.plan.pipeline import PipelinePlan
@@ -53,10 +53,10 @@ class Plan:
 
 def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """All predictions for one mesh (assumed valid for the job: see `Job.problem`)."""
-    pie = memory.estimate(job, shape)
-    collectives = comms.predict(job, shape)
-    ops = cost.operator_table(job, shape, hw, collectives)
-    time = cost.step_time(job, shape, hw, ops, collectives, pie.params)
+    pie = estimate.memory_pie(job, shape)
+    collectives = estimate.collectives(job, shape)
+    ops = estimate.operators(job, shape, hw, collectives)
+    time = estimate.step_time(job, shape, hw, ops, collectives, pie.params)
     fits = pie.total <= hw.hbm_bytes * (1 - HEADROOM)
     stages = None
     if shape.pp > 1:
@@ -157,10 +157,10 @@ def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None
         shapes = [mesh_dim] if mesh_dim is not None and trial.n_devices == job.n_devices else None
         valid = shapes or candidate_shapes(trial, pps=trial_pps)[0]
         valid = [s for s in valid if trial.problem(s) is None]
-        fitting = [s for s in valid if memory.estimate(trial, s).total <= budget]
+        fitting = [s for s in valid if estimate.memory_pie(trial, s).total <= budget]
         if fitting:
             if flag.startswith("--pp="):
-                smallest = min(fitting, key=lambda s: memory.estimate(trial, s).total)
+                smallest = min(fitting, key=lambda s: estimate.memory_pie(trial, s).total)
                 flag = f"{flag} (e.g. {smallest.flags})"
             return f"{head}; nearest change that fits: {flag}"
     return f"{head}; even 16x the devices with --remat=full does not fit: use a smaller model or shorter --seq_len"

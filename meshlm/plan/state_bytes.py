@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from meshlm import sharding
 from meshlm.mesh import AXES, MeshShape
 from meshlm.models.configs import ModelConfig
+from meshlm.strategy import DEFAULT
 
 
 def abstract_mesh(shape: MeshShape) -> AbstractMesh:
@@ -30,13 +31,16 @@ def abstract_mesh(shape: MeshShape) -> AbstractMesh:
 
 
 @dataclass(frozen=True)
-class _Leaf:
+class Leaf:
+    """One array of the train state: its shape, element size and the logical axes it is sharded by."""
+
     shape: tuple[int, ...]
     itemsize: int
     logical: tuple  # logical axis names of the parameter this leaf follows; None: replicated
 
 
-def _local_elements(leaf: _Leaf, sizes: dict[str, int], strategy: sharding.Strategy) -> int:
+def local_elements(leaf: Leaf, sizes: dict[str, int], strategy: sharding.Strategy) -> int:
+    """Elements of this leaf one device holds on a mesh of these axis sizes."""
     if leaf.logical is None:
         return math.prod(leaf.shape)
     spec = sharding.logical_to_spec(leaf.logical, strategy.params)
@@ -51,26 +55,26 @@ class StateBytes:
     """Per-device bytes of the train state of one model and optimizer, for any mesh shape."""
 
     def __init__(self, cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                 strategy: sharding.Strategy = sharding.DEFAULT):
+                 strategy: sharding.Strategy = DEFAULT):
         from meshlm.models.placement import place
 
         self.strategy = strategy
         placement = place(cfg, abstract_mesh(MeshShape()), strategy)
         params, treedef = jax.tree.flatten(placement.shapes)
         logical = treedef.flatten_up_to(placement.logical)
-        self.params = [_Leaf(p.shape, np.dtype(p.dtype).itemsize, tuple(spec)) for p, spec in zip(params, logical)]
+        self.params = [Leaf(p.shape, np.dtype(p.dtype).itemsize, tuple(spec)) for p, spec in zip(params, logical)]
         index = jax.tree.unflatten(treedef, list(range(len(params))))
         opt_shapes = jax.eval_shape(optimizer.init, placement.shapes)
         follows = optax.tree_map_params(optimizer, lambda _, i: i, opt_shapes, index,
                                         transform_non_params=lambda _: -1)
         self.opt = [
-            _Leaf(s.shape, np.dtype(s.dtype).itemsize, self.params[i].logical if i >= 0 else None)
+            Leaf(s.shape, np.dtype(s.dtype).itemsize, self.params[i].logical if i >= 0 else None)
             for s, i in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(follows))
         ]
 
-    def _bytes(self, leaves: list[_Leaf], shape: MeshShape) -> int:
+    def _bytes(self, leaves: list[Leaf], shape: MeshShape) -> int:
         sizes = shape.as_dict()
-        return sum(_local_elements(leaf, sizes, self.strategy) * leaf.itemsize for leaf in leaves)
+        return sum(local_elements(leaf, sizes, self.strategy) * leaf.itemsize for leaf in leaves)
 
     def params_bytes(self, shape: MeshShape) -> int:
         return self._bytes(self.params, shape)

@@ -4,7 +4,7 @@
 ShapeDtypeStructs carrying their shardings, then compiled for the plan's mesh on simulated CPU
 devices (or, for a TPU target with libtpu installed, on that TPU topology). The compiled program
 gives per-device memory (`memory_analysis()`: argument + output - alias + temp bytes, the state,
-the batch and the peak of everything else) and its collectives (`meshlm.plan.hlo`).
+the batch and the peak of everything else) and its collectives (`meshlm.hlo`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from meshlm import hlo
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
-from meshlm.plan import hlo
 from meshlm.plan.job import Job
+from meshlm.plan.schedule import schedule_of
 from meshlm.plan.search import Plan
 
 # TPU topology names `jax.experimental.topologies.get_topology_desc` understands, per catalog entry.
@@ -62,10 +63,10 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
 
 def compile_step(job: Job, shape: MeshShape, devices: list[Any]):
     """The compiled train step of this job on this mesh; nothing is allocated."""
-    return _compile(job, shape, devices)[0]
+    return compile_placed(job, shape, devices)[0]
 
 
-def _compile(job: Job, shape: MeshShape, devices: list[Any]):
+def compile_placed(job: Job, shape: MeshShape, devices: list[Any]):
     """(compiled train step, its placement); with pp > 1 the pipelined step `meshlm train --pp` runs."""
     import jax
     import jax.numpy as jnp
@@ -84,11 +85,7 @@ def _compile(job: Job, shape: MeshShape, devices: list[Any]):
     rows = sharding.batch_sharding(mesh, placement.strategy)
     batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=rows) for k in BATCH_KEYS}
-    pipeline = None
-    if shape.pp > 1:
-        from meshlm.plan.pipeline import schedule_of
-
-        pipeline = schedule_of(job.pipeline, shape.pp)
+    pipeline = schedule_of(job.pipeline, shape.pp) if shape.pp > 1 else None
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum, pipeline)
     return step.lower(abstract_state(placement, optimizer), batch).compile(), placement
 
@@ -97,10 +94,8 @@ def stage_transfer_bytes(compiled, placement) -> int:
     """Bytes per device per step of the compiled step's stage transfers: the pipeline's ppermutes, which
     XLA compiles to collective-permutes between pp ranks (the ring attention's run over sp inside a
     stage, and the relayout of the layers onto virtual stages is no ppermute: both are left out)."""
-    from meshlm.explain.analysis import collectives
-
-    return sum(c.total_bytes for c in collectives(compiled.as_text(), placement)
-               if c.kind == "collective-permute" and "pp" in c.axes and c.where.endswith("ppermute"))
+    return sum(c.total_bytes for c in hlo.on_mesh(compiled.as_text(), placement.mesh)
+               if c.kind == "collective-permute" and "pp" in c.axes and c.op_name.endswith("ppermute"))
 
 
 def measure(compiled) -> dict:
@@ -125,7 +120,7 @@ def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
     devices, where = target_devices(job.n_devices, hardware)
     for plan in plans[:k]:
         t0 = time.perf_counter()
-        compiled, placement = _compile(job, plan.shape, devices)
+        compiled, placement = compile_placed(job, plan.shape, devices)
         got = measure(compiled)
         got["compile_seconds"] = round(time.perf_counter() - t0, 2)
         predicted_coll = plan.collective_bytes["total"]

@@ -12,7 +12,7 @@ from meshlm.cli.explain import print_report
 from meshlm.explain.report import compile_step, explain
 from meshlm.job import resolve
 from meshlm.ops.pipeline import FWD, BWD, build_schedule
-from meshlm.plan.hlo import parse_collectives
+from meshlm.hlo import parse_collectives
 from meshlm.config import TrainConfig
 from tests.support.cli import meshlm
 

@@ -23,10 +23,9 @@ from meshlm.errors import UsageError
 from meshlm.mesh import parse_mesh_dim
 from meshlm.models.configs import resolve_model
 from meshlm.ops.pipeline import build_schedule
-from meshlm.plan import memory, pipeline, search
+from meshlm.plan import estimate, pipeline, search
 from meshlm.plan.hardware import CATALOG
-from meshlm.plan.job import Job
-from meshlm.plan.pipeline import PipelineFlags
+from meshlm.plan.job import Job, PipelineFlags
 
 # (mesh_dim, pp, schedule, microbatches, virtual stages, batch, remat, layers): pp 2 and 4, every
 # schedule, every mesh axis inside the stages; the `test` model (d_model 64, 8 heads, vocab 512).
@@ -51,12 +50,12 @@ def compile_grid():
     """{case id: (job, shape, compiled figures)}: one compile per case."""
     import jax
 
-    from meshlm.plan.verify import _compile, measure, stage_transfer_bytes
+    from meshlm.plan.verify import compile_placed, measure, stage_transfer_bytes
 
     out = {}
     for case, name in zip(GRID, IDS):
         job, shape = job_for(*case)
-        compiled, placement = _compile(job, shape, jax.devices()[:8])
+        compiled, placement = compile_placed(job, shape, jax.devices()[:8])
         got = measure(compiled)
         got["stage_transfer_bytes"] = stage_transfer_bytes(compiled, placement)
         out[name] = (job, shape, got)
@@ -122,7 +121,7 @@ def test_gpipe_memory_grows_with_microbatches_and_1f1b_stays_flat():
     shape = parse_mesh_dim("1,1,2,1", 8, pp=4)
 
     def total(name, M):
-        return memory.estimate(Job(cfg, 2 * M, 64, 8, 1, PipelineFlags(name, M)), shape).total
+        return estimate.memory_pie(Job(cfg, 2 * M, 64, 8, 1, PipelineFlags(name, M)), shape).total
 
     f = [total("1f1b", M) for M in (8, 16, 32)]
     g = [total("gpipe", M) for M in (8, 16, 32)]
@@ -206,13 +205,13 @@ def test_nothing_fits_names_pipeline_stages_when_they_would(monkeypatch):
     """When no mesh fits and stages would (here: the stage memory is made small), the one line says --pp."""
     cfg = resolve_model("test", {"n_layers": "4"}).replace(dtype="float32", remat="full")
     job = Job(cfg, 8, 32, 8)
-    real = memory.estimate
+    real = estimate.memory_pie
 
     def squeezed(job, shape):
         pie = real(job, shape)
         return pie if shape.pp == 1 else type(pie)(1, 0, 0, 0, 0)
 
-    monkeypatch.setattr(memory, "estimate", squeezed)
+    monkeypatch.setattr(estimate, "memory_pie", squeezed)
     hw = dataclasses.replace(CATALOG["h100"], hbm_bytes=1e5)
     with pytest.raises(UsageError, match=r"nearest change that fits: --pp=2 \(e.g. --mesh_dim=\d,\d,\d,\d --pp=2\)"):
         search.search(job, hw)
@@ -291,14 +290,14 @@ def fit_set() -> None:
     import jax
 
     from meshlm.plan import comms
-    from meshlm.plan.verify import _compile, error_percent, measure, stage_transfer_bytes
+    from meshlm.plan.verify import compile_placed, error_percent, measure, stage_transfer_bytes
 
     mem, coll, xfer = [], [], []
     for model, mesh_dim, pp, schedule, M, V, batch, seq, remat in FIT_CASES:
         n = pp * math.prod(int(x) for x in mesh_dim.split(","))
         cfg = resolve_model("test", FIT_MODELS[model]).replace(dtype="float32", remat=remat)
         job, shape = Job(cfg, batch, seq, n, 1, PipelineFlags(schedule, M, V)), parse_mesh_dim(mesh_dim, n, pp=pp)
-        compiled, placement = _compile(job, shape, jax.devices()[:n])
+        compiled, placement = compile_placed(job, shape, jax.devices()[:n])
         got = measure(compiled)
         plan = search.evaluate(job, shape, CATALOG["h100"])
         mem.append(error_percent(plan.memory.total, got["peak_memory_bytes"]))

@@ -1,0 +1,256 @@
+"""Collectives of a compiled program, read from its partitioned HLO text (`compiled.as_text()`).
+
+Shared by `meshlm plan` (which checks its predictions against the compiler) and `meshlm explain`
+(which lists what the compiler did). Two readings of the same instructions:
+
+- `parse_collectives`: every collective with its payload bytes, group size and executions per step;
+- `on_mesh`: the same on a device mesh, with the mesh axes each collective's groups span.
+
+Every device runs the same SPMD program, so the collectives in the text are what *each* device
+takes part in. A collective inside a `while` body (the scan over layers, gradient accumulation) runs
+once per iteration: its bytes are multiplied by the loop's `known_trip_count`, and nested loops
+multiply.
+
+Bytes are *payload* bytes: the size of the buffer the collective is about, unsharded over its
+group — the gathered result of an all-gather, the input of a reduce-scatter or all-reduce, the
+buffer a collective-permute sends. That measure does not depend on how a backend lowers a
+reduction (XLA:CPU writes reduce-scatter as all-reduce + slice; GPU and TPU keep reduce-scatter),
+so predictions can be checked on simulated CPU devices. Wire time is a different figure: see
+`meshlm.plan.comms`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLEE = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction and how often it runs per step."""
+
+    kind: str  # one of KINDS
+    payload_bytes: int  # per execution, see the module docstring
+    group_size: int  # devices taking part together (1 for a no-op)
+    count: int  # executions per step (product of enclosing loop trip counts)
+    op_name: str  # the JAX source op, from the metadata (for reading, not for logic)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_bytes * self.count
+
+
+@dataclass(frozen=True)
+class MeshCollective:
+    """A collective over more than one device, placed on the mesh (see `on_mesh`)."""
+
+    kind: str
+    axes: tuple[str, ...]  # mesh axes the devices of one group differ in
+    payload_bytes: int  # per execution
+    count: int  # executions per step
+    op_name: str  # the JAX source op without the `jit(step)/` prefix; '' when the metadata has none
+    result_shapes: tuple[tuple[int, ...], ...]  # of the instruction's result (a tuple for async starts)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_bytes * self.count
+
+
+# ------------------------------------------------------------------------------------ instructions
+
+
+def array_bytes(shape_text: str) -> list[int]:
+    """Byte sizes of every array in a (possibly tuple) HLO shape, e.g. `(f32[2,3]{1,0}, bf16[4])`."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype not in DTYPE_BYTES:
+            continue
+        out.append(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+    return out
+
+
+def array_shapes(shape_text: str) -> list[tuple[int, ...]]:
+    """Dimensions of every array in an HLO shape."""
+    return [tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape_text)]
+
+
+def group_size(attrs: str) -> int:
+    """Devices per replica group, from any of the three spellings XLA prints."""
+    m = re.search(r"replica_groups=\{(\{[^}]*\})", attrs)
+    if m:
+        return len([x for x in m.group(1).strip("{}").split(",") if x.strip()])
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", m.group(2)))
+    if "source_target_pairs" in attrs:
+        return 2
+    return 1
+
+
+def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """Instruction lines of each computation, and the name of the entry computation."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+        elif line.strip() == "}":
+            current = None
+        else:
+            comps[current].append(line)
+    return comps, entry
+
+
+def multipliers(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            trip = _TRIP.search(line)
+            for role, callee in _CALLEE.findall(line):
+                factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+                calls[name].append((callee, factor))
+            for group in _BRANCHES.findall(line):
+                calls[name].extend((c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
+    mult: dict[str, int] = defaultdict(int)
+    roots = [entry] if entry else list(comps)
+
+    def visit(name: str, factor: int, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        mult[name] += factor
+        for callee, f in calls.get(name, ()):
+            visit(callee, factor * f, depth + 1)
+
+    for root in roots:
+        visit(root, 1)
+    return mult
+
+
+def _collective_lines(text: str) -> Iterator[tuple[re.Match, int]]:
+    """(the matched instruction, executions per step) of every collective that runs: an async pair is
+    read at its `-start`, which carries the shapes."""
+    comps, entry = computations(text)
+    mult = multipliers(comps, entry)
+    for name, lines in comps.items():
+        count = mult.get(name, 0)
+        if count == 0:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m or m.group(3).endswith("-done"):
+                continue
+            if m.group(3).removesuffix("-start") in KINDS:
+                yield m, count
+
+
+def _read(m: re.Match, count: int) -> Collective:
+    shape, op, rest = m.group(2), m.group(3), m.group(4)
+    kind = op.removesuffix("-start")
+    result = array_bytes(shape)
+    if kind == "all-gather":
+        # all-gather-start returns (operands..., results...): the gathered half is the larger.
+        payload = sum(result[len(result) // 2:]) if op.endswith("-start") else sum(result)
+    else:  # reduce-scatter, all-reduce, all-to-all, collective-permute: what goes in
+        operands = array_bytes(rest.split(")", 1)[0])
+        payload = sum(operands) if operands else sum(result)
+    meta = re.search(r'op_name="([^"]*)"', rest)
+    return Collective(kind, payload, group_size(rest), count, meta.group(1) if meta else "")
+
+
+def parse_collectives(text: str) -> list[Collective]:
+    """Every collective in the HLO module with its per-step execution count."""
+    return [_read(m, count) for m, count in _collective_lines(text)]
+
+
+def summarize(collectives: list[Collective]) -> dict[str, int]:
+    """Payload bytes per step by kind, plus `total`; collectives over a group of one are dropped."""
+    out = dict.fromkeys(KINDS, 0)
+    for c in collectives:
+        if c.group_size > 1:
+            out[c.kind] += c.total_bytes
+    out["total"] = sum(out[k] for k in KINDS)
+    return out
+
+
+# ------------------------------------------------------------------------------------ mesh axes
+
+
+def first_group(attrs: str, n: int) -> list[int] | None:
+    """Device ids of the first replica group (or of a source-target pair that moves), from any
+    spelling XLA prints; n is the number of devices."""
+    if m := re.search(r"replica_groups=\{\{([^}]*)\}", attrs):
+        return [int(x) for x in m.group(1).split(",") if x.strip()]
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs):
+        ids = np.arange(n).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
+                      attrs):
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        keep = set(re.findall(r"'([^']+)'", m.group(4)))
+        ids = np.arange(n)
+        if m.group(2):  # the devices in mesh order, as an iota reshaped and transposed
+            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")]) if m.group(3) else ids
+        ids = ids.reshape([int(s) for _, s in names])
+        return ids[tuple(slice(None) if name in keep else 0 for name, _ in names)].ravel().tolist()
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs):
+        pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        return list(next((p for p in pairs if p[0] != p[1]), pairs[0] if pairs else ()))  # a device that moves
+    return None
+
+
+def axes_of(ids: list[int] | None, mesh) -> tuple[str, ...]:
+    """The mesh axes along which these devices differ (a `jax.sharding.Mesh`)."""
+    if not ids:
+        return ()
+    coords = np.array([np.unravel_index(i, mesh.devices.shape) for i in ids])
+    return tuple(name for k, name in enumerate(mesh.axis_names) if len(set(coords[:, k])) > 1)
+
+
+def on_mesh(text: str, mesh) -> list[MeshCollective]:
+    """Every collective over more than one device, with the mesh axes its groups span.
+
+    A reduce-scatter printed without operand shapes is counted by its input (group × result), as the
+    other kinds are; `parse_collectives` keeps the result there."""
+    out = []
+    for m, count in _collective_lines(text):
+        c = _read(m, count)
+        if c.group_size <= 1:
+            continue
+        payload = c.payload_bytes
+        if c.kind == "reduce-scatter" and not array_bytes(m.group(4).split(")", 1)[0]):
+            payload *= c.group_size
+        axes = axes_of(first_group(m.group(4), mesh.devices.size), mesh)
+        out.append(MeshCollective(c.kind, axes, payload, count, c.op_name.removeprefix("jit(step)/"),
+                                  tuple(array_shapes(m.group(2)))))
+    return out
