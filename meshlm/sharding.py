@@ -2,7 +2,7 @@
 With `meshlm.strategy` (the named tables and the user's overrides), the only code that knows mesh axis names.
 
 The model names what each dimension *means* (`batch`, `length`, `embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `layers`); a `Strategy` says where each meaning goes on the
+`head_dim`, `mlp`, `vocab`, `layers`: `meshlm.axes`); a `Strategy` says where each meaning goes on the
 (dp, fsdp, tp, sp) mesh, with one table for parameters and one for activations (a weight's `embed`
 dimension is sharded for memory, an activation's is not). XLA propagates everything in between.
 
@@ -22,13 +22,10 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshlm.axes import QUERIES, TOKENS
 from meshlm.errors import UsageError
 
 MeshAxes = str | tuple[str, ...] | None
-
-LOGICAL_AXES = (
-    "batch", "length", "cache_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-)
 
 
 @dataclass(frozen=True)
@@ -55,18 +52,6 @@ class Strategy:
         """The mesh axes (of size > 1) the batch is split over: the axes ZeRO shards state over."""
         return tuple(a for a in _as_tuple(self.activations.get("batch")) if mesh.shape.get(a, 1) > 1)
 
-
-_MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None}
-
-DEFAULT = Strategy(
-    name="default",
-    # Weights: embed over fsdp (ZeRO-3) and sp (sequence-parallel ranks hold weight shards too);
-    # the stacked layers over pipeline stages when the mesh has a pp axis (meshlm.ops.pipeline).
-    params={"embed": ("fsdp", "sp"), **_MODEL_PARALLEL, "layers": "pp"},
-    # Activations: batch over the data axes, sequence (and a KV cache's length) over sp, embed whole.
-    activations={"batch": ("dp", "fsdp"), "length": "sp", "cache_length": "sp", "embed": None, **_MODEL_PARALLEL},
-    doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
-)
 
 def for_decoding(strategy: Strategy) -> Strategy:
     """The strategy for decode steps: a step's few new tokens stay whole (they cannot split over sp);
@@ -160,7 +145,7 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("meshlm
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, strategy: Strategy = DEFAULT):
+def activate(mesh: Mesh, strategy: Strategy):
     """Within this block (while tracing), `constrain` and `ring_spec` use this mesh and strategy."""
     token = _ACTIVE.set(_Active(mesh, strategy))
     try:
@@ -200,9 +185,9 @@ def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def batch_sharding(mesh: Mesh, strategy: Strategy = DEFAULT, ndim: int = 2) -> NamedSharding:
+def batch_sharding(mesh: Mesh, strategy: Strategy, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
-    logical = ("batch", "length") + (None,) * (ndim - 2)
+    logical = TOKENS + (None,) * (ndim - 2)
     return NamedSharding(mesh, logical_to_spec(logical[:ndim], strategy.activations, mesh, strategy.shared))
 
 
@@ -217,7 +202,12 @@ class RingSpec:
     seq_spec: P  # [batch, length]
 
 
-def sequence_parallel_size(mesh: Mesh, strategy: Strategy = DEFAULT) -> int:
+def data_parallel_size(mesh: Mesh, strategy: Strategy) -> int:
+    """How many ways the strategy's `batch` activation axis splits the rows on this mesh."""
+    return math.prod(mesh.shape.get(a, 1) for a in _as_tuple(strategy.activations.get("batch")))
+
+
+def sequence_parallel_size(mesh: Mesh, strategy: Strategy) -> int:
     """How many ways RingAttention splits the sequence (1: no ring; a `shared` length never rings)."""
     if "length" in strategy.shared:
         return 1
@@ -242,8 +232,8 @@ def ring_spec() -> RingSpec | None:
         mesh=active.mesh if context is None else context,
         axis_name=axes[0],
         size=active.mesh.shape[axes[0]],
-        qkv_spec=logical_to_spec(("batch", "length", "heads", "head_dim"), table, active.mesh),
-        seq_spec=logical_to_spec(("batch", "length"), table, active.mesh),
+        qkv_spec=logical_to_spec(QUERIES, table, active.mesh),
+        seq_spec=logical_to_spec(TOKENS, table, active.mesh),
     )
 
 
@@ -256,7 +246,7 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "Strategy", "DEFAULT", "for_decoding", "LOGICAL_AXES", "logical_to_spec", "param_specs", "named", "replicated",
+    "Strategy", "for_decoding", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
-    "sequence_parallel_size", "describe_specs",
+    "data_parallel_size", "sequence_parallel_size", "describe_specs",
 ]

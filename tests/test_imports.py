@@ -111,3 +111,17 @@ def test_modules_are_small_and_say_what_they_are_for():
         assert lines <= 470, f"{path.relative_to(ROOT.parent)} has {lines} lines; split it by concern"
         if lines > 20:
             assert ast.get_docstring(ast.parse(text)), f"{path.relative_to(ROOT.parent)} opens with no docstring"
+
+
+def test_benchmarks_import_what_exists():
+    """bench/ scripts are not run by the suite: at least every meshlm name they import must exist."""
+    import importlib
+    import importlib.util
+
+    for script in sorted((ROOT.parent / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("meshlm"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), \
+                        f"{script.name}: from {node.module} import {alias.name}"

@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pipeline(args) -> tuple[PipelineFlags, int | None]:
+def _pipeline(args) -> tuple:
     """The pipeline flags and --pp (None for auto), checked as `meshlm train` checks them."""
     from meshlm.ops.pipeline import check
     from meshlm.plan.job import PipelineFlags

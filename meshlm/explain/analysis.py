@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshlm import hlo
+from meshlm import axes, hlo
 from meshlm.errors import UsageError
 from meshlm.models.placement import Placement
 from meshlm.strategy.rules import flatten
@@ -135,7 +135,7 @@ def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict
     out = []
     shape = (batch_size, seq_len, placement.cfg.d_model)
     x = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(placement.cfg.dtype))
-    logical = ("batch", "length", "embed")
+    logical = axes.STREAM
     for a, b in zip(placement.groups, placement.groups[1:]):
         specs = [sharding.logical_to_spec(logical, g.strategy.activations, placement.mesh, g.strategy.shared) for g in (a, b)]
         moves = {}

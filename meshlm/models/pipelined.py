@@ -13,27 +13,15 @@ backward step. Both tables are replicated over `pp`, and their gradients summed 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
-from flax import nnx
 
-from meshlm import sharding
-from meshlm.models.llama import Llama
-from meshlm.models.placement import Placement, _build
+from meshlm import axes, sharding
+from meshlm.models.loss import token_loss_sums
+from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule, pipeline_value_and_grad
-
-HEAD_KEYS = ("final_norm", "lm_head")
-
-
-def _graphdefs(placement: Placement):
-    abstract = nnx.eval_shape(lambda: _build(placement.cfg, 0))
-    layer_def, _ = nnx.split(abstract.layers, nnx.Param)
-    norm_def, _ = nnx.split(abstract.final_norm, nnx.Param)
-    return layer_def, norm_def
 
 
 def micro_batches(x: jax.Array, n: int) -> jax.Array:
@@ -56,44 +44,27 @@ def from_stages(staged: Any) -> Any:
 def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: Any, batch: dict):
     """((sum of token losses, token count), gradients of the mean loss) for one batch, pipelined.
 
-    Unlike the plain step, the gradients come back already divided by the token count."""
-    cfg, mesh = placement.cfg, placement.mesh
-    layer_def, norm_def = _graphdefs(placement)
-    M = schedule.microbatches
-    remat = cfg.remat != "none"
-    mb = {k: micro_batches(v, M) for k, v in batch.items()}
+    Unlike the plain step, the gradients come back already divided by the token count. The stages run
+    the model's own parts (`Llama.embed_tokens`, `run_layers`, `head`) on the weights they hold."""
+    cfg, mesh, model = placement.cfg, placement.mesh, placement.structure
+    mb = {k: micro_batches(v, schedule.microbatches) for k, v in batch.items()}
     count = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
-    def first_fn(table, s):  # the model's own embedding, on the table alone
-        x, _ = Llama._embed(SimpleNamespace(embed=table, cfg=cfg), s["inputs"], None)
-        return x
+    def first_fn(table, s):
+        return model.embed_tokens(s["inputs"], None, {"embed": table})[0]
 
-    def stage_fn(p, x, s):
-        def body(x, layer_params):
-            x, _ = nnx.merge(layer_def, layer_params)(x, s["positions"], s["segment_ids"])
-            return x, None
-
-        if remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, p)
-        return x
+    def stage_fn(layers, x, s):
+        return model.run_layers(x, s["positions"], s["segment_ids"], layers)[0]
 
     def head_fn(hp, x, s):
-        x = nnx.merge(norm_def, hp["final_norm"])(x)
-        w = hp["embed"].T if cfg.tie_embeddings else hp["lm_head"]
-        logits = jnp.einsum("bte,ev->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        logits = sharding.constrain(logits, ("batch", "length", "vocab"))
-        # The label's logit by a one-hot product, not a gather: XLA cannot partition a gather over a
-        # vocab split across tp with rows split across the data axes inside the pp shard_map.
-        picked = jnp.sum(logits * jax.nn.one_hot(s["targets"], logits.shape[-1], dtype=logits.dtype), axis=-1)
-        nll = jax.nn.logsumexp(logits, axis=-1) - picked
-        return jnp.sum(nll * s["loss_mask"].astype(jnp.float32)) / count
+        total, _ = token_loss_sums(model.head(x, hp), s["targets"], s["loss_mask"], one_hot=True)
+        return total / count
 
     head = {"final_norm": params["final_norm"]}
     head.update({"embed": params["embed"]} if cfg.tie_embeddings else {"lm_head": params["lm_head"]})
     staged = to_stages(params["layers"], schedule.pp, schedule.virtual)
     with sharding.activate(mesh, placement.strategy):  # the stages' activations laid out as without a pipeline
-        side = {k: sharding.constrain(v, (None, "batch", "length")) for k, v in mb.items()}  # rows, length split
+        side = {k: sharding.constrain(v, (None, *axes.TOKENS)) for k, v in mb.items()}  # rows, length split
         loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(first_fn, stage_fn, head_fn, params["embed"], staged,
                                                                     head, side, schedule, mesh)
     grads = {"embed": g_embed + g_head.get("embed", 0.0), "layers": from_stages(g_staged),

@@ -7,7 +7,8 @@
 Parameters are plain nested dicts of arrays (`{"layers": {"attn": {"wq": ...}}}`), the same tree for
 training, checkpoints and weight conversion. With per-layer-range strategies (`[[layers]]` in a
 `--sharding_rules` file) the stacked layers are split into groups, `{"layers": {"0-15": ..., "16-31": ...}}`,
-each laid out by its own strategy and run as its own scan; `canonical` joins them back.
+each laid out by its own strategy and run as its own scan (`Llama.run_layers` on the group's weights);
+`canonical` joins them back.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshlm import sharding
+from meshlm import axes, sharding
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
-from meshlm.models.llama import REMAT_POLICIES, Llama
+from meshlm.models.llama import Llama
+from meshlm.strategy.presets import DEFAULT
 from meshlm.strategy.rules import LayerGroup, Rules, flatten, resolve, unflatten
 
 
@@ -99,34 +101,25 @@ class Placement:
             return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids, **kw)
 
     @cached_property
-    def _layer_def(self):
-        """The graph of the stacked layers alone, to merge with one group's parameters."""
-        return nnx.split(nnx.eval_shape(lambda: _build(self.cfg, 0)).layers, nnx.Param)[0]
+    def structure(self) -> Llama:
+        """The model without weights (abstract): its parts run on parameter trees given to them."""
+        return nnx.eval_shape(lambda: _build(self.cfg, 0))
 
     def _apply_groups(self, params, tokens, positions, segment_ids):
         """Embedding and head under the main strategy; each layer group scanned under its own. At a
         boundary the residual stream moves from one group's layout to the next one's (XLA reshards it)."""
-        first = params["layers"][self.groups[0].key]
-        model = nnx.merge(self.graphdef, {**params, "layers": first})  # embed, final_norm, lm_head
-        layer_def = self._layer_def
+        model = self.structure
         with sharding.activate(self.mesh, self.strategy):
-            x, positions = model._embed(tokens, positions)
-
-        def body(x, layer_params):
-            x, _ = nnx.merge(layer_def, layer_params)(x, positions, segment_ids)
-            return x, None
-
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            x, positions = model.embed_tokens(tokens, positions, params)
         for before, group in zip((None, *self.groups), self.groups):
             with sharding.activate(self.mesh, group.strategy):
                 if before is not None:  # the residual stream moves to this group's layout here
                     with jax.named_scope(f"boundary {before.key}>{group.key}"):
-                        x = sharding.constrain(x, ("batch", "length", "embed"))
+                        x = sharding.constrain(x, axes.STREAM)
                 with jax.named_scope(f"layers {group.key}"):
-                    x, _ = jax.lax.scan(body, x, params["layers"][group.key])
+                    x, _ = model.run_layers(x, positions, segment_ids, params["layers"][group.key])
         with sharding.activate(self.mesh, self.strategy):
-            return model._head(x)
+            return model.head(x, params)
 
     def decode(self, params: Any, tokens, positions, cache_k, cache_v):
         """One cached decode step (see `Llama.decode`), laid out by the strategy's decoding variant."""
@@ -135,8 +128,7 @@ class Placement:
 
     def cache_sharding(self) -> jax.sharding.NamedSharding:
         """Layout of one layer's KV cache [B, S, K, D]."""
-        spec = sharding.logical_to_spec(("batch", "cache_length", "kv_heads", "head_dim"),
-                                        self.strategy.activations, self.mesh)
+        spec = sharding.logical_to_spec(axes.KV_CACHE, self.strategy.activations, self.mesh)
         return jax.sharding.NamedSharding(self.mesh, spec)
 
     def param_bytes_per_device(self) -> int:
@@ -150,7 +142,7 @@ class Placement:
         return total
 
 
-def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = sharding.DEFAULT,
+def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT,
           rules: Rules | None = None) -> Placement:
     """Trace the model abstractly and lay out each parameter (and its gradient and optimizer moments)
     by its strategy's tables, then by the first matching rule (`meshlm.strategy`)."""

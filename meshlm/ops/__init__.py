@@ -1,18 +1,9 @@
-"""Attention kernels.
+"""Kernels: pure functions of arrays, below the model (they know neither the model nor the mesh's names).
 
-- `attention.dot_product_attention`: plain attention (the reference; decode against a KV cache).
-- `attention.blockwise_attention`: flash-style attention, memory linear in T (sp = 1).
-- `ring.ring_attention`: RingAttention with the sequence sharded over a mesh axis (sp > 1),
-  with `ring.zigzag_permutation` / `ring.inverse_permutation` to balance causal work.
+- `attention`: plain dot-product attention (the reference) and the blockwise (flash-style) kernel.
+- `ring`: RingAttention with the sequence sharded over a mesh axis, and the zigzag load balancing.
+- `decode`: a decode step's attention against a KV cache.
+- `pipeline`: the pipeline schedules (GPipe, 1F1B, interleaved) and their executor over `pp`.
+
+Import the module you need (`from meshlm.ops.attention import dot_product_attention`).
 """
-
-from meshlm.ops.attention import blockwise_attention, dot_product_attention
-from meshlm.ops.ring import inverse_permutation, ring_attention, zigzag_permutation
-
-__all__ = [
-    "blockwise_attention",
-    "dot_product_attention",
-    "inverse_permutation",
-    "ring_attention",
-    "zigzag_permutation",
-]

@@ -358,8 +358,8 @@ def output_delta(out, dout):
 def dot_product_attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True
 ):
-    """Plain attention that materialises the [T, S] score matrix: the reference, and the decode
-    path (T=1 against a KV cache whose empty slots have kv_positions < 0).
+    """Plain attention that materialises the [T, S] score matrix: the reference (also for the decode
+    kernel, `meshlm.ops.decode`, whose empty cache slots have kv_positions < 0).
 
     See the module docstring for shapes and the masking rule. Differentiable by ordinary autodiff.
     """

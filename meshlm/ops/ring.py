@@ -33,10 +33,8 @@ so exactly half of the off-diagonal blocks are skipped on every device.
 Memory per device is O(T / sp): the local q, k, v, output and their gradients, a second
 buffer for each of k, v, dk, dv (the one in flight: double buffering is what lets transfers
 overlap compute), and one [block_q, block_kv] score block per kv head group. The double
-buffers are the ring's price: with as many kv heads as query heads (MHA) a device of an sp=4
-ring needs about 0.42x the memory of a single device holding the whole sequence, with
-grouped-query attention (4 query heads per kv head) about 0.33x (measured by
-`tests/ops/test_ring.py` and `bench/ring_attention.py`).
+buffers are the ring's price, larger with more kv heads; `tests/ops/test_ring.py` bounds the
+memory of an sp=4 ring against one device holding the whole sequence.
 
 Composition. `ring_attention` is called on global arrays under `jit`; it wraps the per-shard
 ring in `jax.shard_map` with the caller's partition specs, so batch and heads may be sharded
@@ -55,7 +53,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from meshlm.ops import attention as attn
+import meshlm.ops.attention as attn
 
 # --------------------------------------------------------------------------------------------
 # Load balancing for causal attention

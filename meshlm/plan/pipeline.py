@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from meshlm import axes
 from meshlm.mesh import MeshShape
 from meshlm.ops.pipeline import Schedule
 from meshlm.plan import comms, cost
@@ -315,7 +316,7 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     flops = operator_flops(job, shape)
     rows = {name: (text, flops.get(name, f)) for name, (text, f) in cost.operator_rows(job, shape).items()}
     s = schedule_of(job.pipeline, shape.pp)
-    x = cost.notation(("batch", "length", "embed"), DEFAULT.activations, shape)
+    x = cost.notation(axes.STREAM, DEFAULT.activations, shape)
     rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
                         f" of {job.batch_size // s.microbatches} rows, ring over pp)", 0.0)
     return cost.rated_operators(rows, job, shape, hw, collectives)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, all_mesh_shapes
-from meshlm.plan import comms, cost, estimate, memory, pipeline
+from meshlm.plan import comms, cost, estimate, pipeline
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 from meshlm.plan.pipeline import PipelinePlan

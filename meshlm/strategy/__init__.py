@@ -11,7 +11,7 @@ stage (`zero`), then per-parameter [[rules]] and per-layer-range [[layers]] (`ru
 from __future__ import annotations
 
 from meshlm.sharding import Strategy
-from meshlm.strategy.presets import PRESETS, preset
+from meshlm.strategy.presets import DEFAULT, PRESETS, preset
 from meshlm.strategy.rules import LayerGroup, Rules, load
 from meshlm.strategy.zero import with_zero_stage
 
@@ -28,4 +28,4 @@ def choose(strategy: str = "default", zero_stage: int | None = None,
     return main, rules.with_layer_strategies(make) if rules else None
 
 
-__all__ = ["choose", "PRESETS", "preset", "Rules", "LayerGroup", "with_zero_stage"]
+__all__ = ["choose", "DEFAULT", "PRESETS", "preset", "Rules", "LayerGroup", "with_zero_stage"]

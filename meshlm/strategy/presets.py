@@ -19,7 +19,7 @@ In every preset the stacked `layers` axis goes over pp (pipeline stages) and `he
 from __future__ import annotations
 
 from meshlm.errors import UsageError
-from meshlm.sharding import DEFAULT, Strategy
+from meshlm.sharding import Strategy
 
 ALL = ("dp", "fsdp", "tp", "sp")
 _WHOLE = {"heads": None, "kv_heads": None, "mlp": None, "vocab": None, "head_dim": None, "layers": "pp"}
@@ -29,6 +29,18 @@ _TP = {**_WHOLE, "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"}
 def _acts(batch, length=None, model=_WHOLE) -> dict:
     return {**model, "batch": batch, "length": length, "cache_length": length, "embed": None, "layers": None}
 
+
+_MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None}
+
+DEFAULT = Strategy(
+    name="default",
+    # Weights: embed over fsdp (ZeRO-3) and sp (sequence-parallel ranks hold weight shards too);
+    # the stacked layers over pipeline stages when the mesh has a pp axis (meshlm.ops.pipeline).
+    params={"embed": ("fsdp", "sp"), **_MODEL_PARALLEL, "layers": "pp"},
+    # Activations: batch over the data axes, sequence (and a KV cache's length) over sp, embed whole.
+    activations={"batch": ("dp", "fsdp"), "length": "sp", "cache_length": "sp", "embed": None, **_MODEL_PARALLEL},
+    doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
+)
 
 PRESETS: dict[str, Strategy] = {s.name: s for s in (
     DEFAULT,

@@ -34,9 +34,10 @@ from typing import Any, Callable
 
 from jax.sharding import PartitionSpec as P
 
+from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import AXES
-from meshlm.sharding import LOGICAL_AXES, MeshAxes, Strategy, as_tuple, logical_to_spec, spec_divides
+from meshlm.sharding import MeshAxes, Strategy, as_tuple, logical_to_spec, spec_divides
 
 MESH_AXES = (*AXES, "pp")
 WHAT = ("params", "grads", "opt_state")

@@ -93,7 +93,6 @@ def matmul_probe(dtype: str = "float32", size: int = 1024, seconds: float = 1.0,
     do). The weight is scaled by 1/sqrt(size) so values neither overflow nor turn denormal (slow).
     """
     import jax
-    import jax.numpy as jnp
 
     device = device or jax.devices("cpu")[0]
     n_chain = 4

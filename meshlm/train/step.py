@@ -22,6 +22,7 @@ import optax
 
 from meshlm import sharding
 from meshlm.errors import UsageError
+from meshlm.models.loss import token_loss_sums
 from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
@@ -33,9 +34,7 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 def loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses, number of counted tokens) for one (micro-)batch."""
     logits = placement.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    return token_loss_sums(logits, batch["targets"], batch["loss_mask"])
 
 
 def _micro_batches(batch: dict, n: int, placement: Placement) -> dict:

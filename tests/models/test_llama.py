@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, build_mesh
 from meshlm.models.configs import PRESETS, from_hf_config, resolve_model, to_hf_config
@@ -45,6 +47,12 @@ def test_parameter_count_matches_the_formula(model):
     tied = place(CFG.replace(tie_embeddings=True), one_device())
     assert sum(np.prod(s.shape) for s in jax.tree.leaves(tied.shapes)) == CFG.replace(tie_embeddings=True).num_params()
     assert "lm_head" not in tied.shapes
+
+
+def test_parameters_name_logical_axes_only(model):
+    placement, _, _ = model
+    named = {name for spec in jax.tree.leaves(placement.logical, is_leaf=lambda x: isinstance(x, P)) for name in spec}
+    assert named - {None} <= set(LOGICAL_AXES) and "layers" in named, named
 
 
 def test_causal_future_tokens_do_not_change_the_past(model):

@@ -1,15 +1,20 @@
-"""The model run through the pipeline gives the plain step's loss and gradients, on meshes with pp."""
+"""The model run through the pipeline gives the plain step's loss and gradients, on meshes with pp, and
+keeps what the plain step keeps under each remat policy."""
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
+from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.configs import resolve_model
+from meshlm.models.llama import REMAT_POLICIES
 from meshlm.models.pipelined import from_stages, pipelined_loss_and_grads, to_stages
 from meshlm.models.placement import place
 from meshlm.ops.pipeline import build_schedule
-from meshlm.train.step import loss_sums
+from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+from meshlm.train.state import abstract_state
+from meshlm.train.step import BATCH_KEYS, loss_sums, make_train_step
 
 B, T = 8, 32
 
@@ -58,3 +63,32 @@ def test_stages_take_consecutive_layers():
     staged = to_stages(layers, pp=2, virtual=2)["w"]  # stage k = v·pp + r at [r, v]
     assert staged.tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     assert from_stages({"w": staged})["w"].tolist() == list(range(8))
+
+
+def remat_bytes(policy: str, n_layers: int, rows: int, pp: int = 1, microbatches: int = 1) -> int:
+    """Compiled per-device temporary bytes of a train step of `rows` × 64 tokens, under one remat policy."""
+    cfg = resolve_model("test", {"n_layers": str(n_layers), "d_model": "128", "n_heads": "4", "n_kv_heads": "4",
+                                 "mlp_dim": "256"}).replace(dtype="float32", remat=policy)
+    mesh = build_mesh(parse_mesh_dim("1,1,1,1", pp, pp=pp), jax.devices()[:pp])
+    placement, optimizer = place(cfg, mesh), make_optimizer(OptimizerConfig())
+    schedule = build_schedule("gpipe", pp, microbatches) if pp > 1 else None
+    step = make_train_step(placement, optimizer, pipeline=schedule)
+    batch = {k: jax.ShapeDtypeStruct((rows, 64), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
+    return step.lower(abstract_state(placement, optimizer), batch).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_each_remat_policy_applies_inside_pipeline_stages():
+    """The planner models a stage's backward as keeping, per `--remat` policy, what the step without a
+    pipeline keeps for the stage's layers on one microbatch (`meshlm.plan.pipeline`: the `stage` term,
+    layers per stage × microbatch tokens × `saved_per_token_layer(policy)`). So the memory each policy
+    keeps above `full` under pp=2 (4 layers, 2 microbatches of 2 rows) is the plain step's for 2 layers
+    and 2 rows, within the planner's ±10%. (A stage that ran every policy as `full` kept nothing above it.)"""
+    def above_full(**kw):
+        temp = {p: remat_bytes(p, **kw) for p in REMAT_POLICIES}
+        return {p: temp[p] - temp["full"] for p in REMAT_POLICIES}
+
+    staged, stage_alone = above_full(n_layers=4, rows=4, pp=2, microbatches=2), above_full(n_layers=2, rows=2)
+    for policy in REMAT_POLICIES:
+        assert staged[policy] == pytest.approx(stage_alone[policy], rel=0.10), (policy, staged, stage_alone)
+    assert all(stage_alone[p] > 0.05 * stage_alone["none"] for p in REMAT_POLICIES if p != "full"), stage_alone

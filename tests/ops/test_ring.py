@@ -16,7 +16,7 @@ from meshlm.ops.ring import (
     ring_block_size,
     zigzag_permutation,
 )
-from tests.ops.test_attention import assert_all_close, make_inputs, reference, value_and_grads
+from tests.support.attention import assert_all_close, make_inputs, reference, value_and_grads
 
 AXES = ("dp", "fsdp", "tp", "sp")
 QKV_SPEC = P(("dp", "fsdp"), "sp", "tp", None)
@@ -150,9 +150,8 @@ def ring_bytes(sp, t, h, kvh, d, block):
 def test_ring_memory_per_device_shrinks_with_sp():
     """At a long length, sp=4 needs at most 0.35x the per-device memory of sp=1.
 
-    Grouped-query heads (8 query heads, 2 kv heads, as in LLaMA-3) — see the note in
-    `meshlm.ops.ring`: with as many kv heads as query heads the double-buffered K, V, dK, dV
-    of the ring weigh more and the ratio is about 0.42.
+    Grouped-query heads (8 query heads, 2 kv heads, as in LLaMA-3): with as many kv heads as
+    query heads the ring's double-buffered K, V, dK, dV weigh more and the ratio was about 0.42.
     """
     t = 32768  # compile only: nothing of this size is allocated
     one, four = (ring_bytes(sp, t, h=8, kvh=2, d=16, block=128) for sp in (1, 4))

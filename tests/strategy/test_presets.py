@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshlm.strategy import PRESETS, presets
-from tests.strategy.conftest import run
+from meshlm.strategy import DEFAULT, PRESETS, presets
+from tests.support.training import run_strategy as run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ CASES = {
 
 
 def test_every_preset_is_tested_and_documented():
-    assert set(CASES) | {"default"} == set(PRESETS)
+    assert set(CASES) | {"default"} == set(PRESETS) and PRESETS["default"] is DEFAULT
     doc = (ROOT / "docs" / "strategies.md").read_text()
     for name, s in PRESETS.items():
         assert f"    {name} " in presets.__doc__, name  # the table in presets.py
@@ -49,12 +49,14 @@ def test_preset_layout(runs, name):
 
 
 def test_megatron_sp_splits_the_sequence_between_tensor_parallel_regions(runs):
-    from meshlm import sharding
+    from meshlm import axes, sharding
 
     r = runs["megatron_sp"]
     placement = r["placement"]
     assert sharding.batch_sharding(placement.mesh, placement.strategy).spec == P("dp", "tp")
+    assert sharding.data_parallel_size(placement.mesh, placement.strategy) == 2  # rows over dp only
+    assert sharding.sequence_parallel_size(placement.mesh, placement.strategy) == 1  # a shared length never rings
     with sharding.activate(placement.mesh, placement.strategy):
-        assert sharding.activation_spec(("batch", "length", "embed")) == P("dp", "tp", None)  # residual
-        assert sharding.activation_spec(("batch", "length", "heads", "head_dim")) == P("dp", None, "tp", None)
+        assert sharding.activation_spec(axes.STREAM) == P("dp", "tp", None)  # residual
+        assert sharding.activation_spec(axes.QUERIES) == P("dp", None, "tp", None)
         assert sharding.ring_spec() is None  # no RingAttention: attention sees the whole sequence

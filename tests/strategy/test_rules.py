@@ -8,9 +8,8 @@ from jax.sharding import PartitionSpec as P
 from meshlm.explain.analysis import boundaries, collectives
 from meshlm.models.placement import place
 from meshlm.strategy import choose
-from tests.strategy.conftest import B, CFG, T, run
-from tests.train.test_train_step import mesh_for
-from tests.test_cli import meshlm
+from tests.support.training import B, CFG, T, mesh_for, run_strategy as run
+from tests.support.cli import meshlm
 
 GROUPS = """
 [[layers]]            # layer 0 data parallel, layer 1 (the rest) Megatron tensor parallel

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from meshlm.explain.analysis import collectives, state_memory
-from meshlm.plan.hlo import parse_collectives
-from tests.strategy.conftest import run
+from meshlm.hlo import parse_collectives
+from tests.support.training import run_strategy as run
 
 MESH = {0: "8,1,1,1", 1: "8,1,1,1", 2: "8,1,1,1", 3: "1,8,1,1"}
 
@@ -50,7 +50,7 @@ def test_stage2_reduce_scatters_where_stage0_all_reduces(stages):
     text = stages[2]["step"].as_text()
     assert "reduce-scatter(" in text and "reduce-scatter(" not in stages[0]["step"].as_text()
     assert all(c.axes == ("dp",) for c in collectives(text, stages[2]["placement"]) if c.kind == "reduce-scatter")
-    # meshlm.plan.hlo reads the same instructions (it counts their scattered results: input / 8)
+    # meshlm.hlo reads the same instructions (it counts their scattered results: input / 8)
     assert 8 * sum(c.total_bytes for c in parse_collectives(text) if c.kind == "reduce-scatter") == zero2["reduce-scatter"]
 
 

@@ -6,7 +6,7 @@ import pytest
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, validate_mesh_shape
 from meshlm.ops.ring import zigzag_permutation
-from tests.train.test_train_step import run
+from tests.support.training import run
 
 
 @pytest.fixture(scope="module")

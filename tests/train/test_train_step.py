@@ -9,57 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
-from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
-from meshlm.train.state import abstract_state, create_train_state
-from meshlm.train.step import BATCH_KEYS, make_train_step, put_batch, sequence_permutation
+from meshlm.train.optimizer import make_optimizer
+from meshlm.train.state import abstract_state
+from meshlm.train.step import BATCH_KEYS, put_batch
+from tests.support.training import CFG, LR, OPT, STEPS, make_batches, mesh_for, run
 
 MESHES = ["1,1,1,1", "8,1,1,1", "1,8,1,1", "1,1,8,1", "2,2,2,1", "1,2,4,1"]
-B, T, STEPS = 8, 32, 3
-LR = 1e-2
-CFG = resolve_model("test", {"n_kv_heads": "8"}).replace(dtype="float32")
-OPT = OptimizerConfig(lr=LR, warmup_steps=1, total_steps=10)
-
-
-def make_batches(cfg=CFG, steps=STEPS, batch=B, seq=T, seed=0):
-    """Random tokens from a 16-token sub-vocabulary (so the loss can fall), two documents per row (so
-    positions and segment ids matter)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        toks = rng.integers(0, 16, (batch, seq + 1), dtype=np.int32)
-        cut = seq // 3
-        positions = np.concatenate([np.arange(cut), np.arange(seq - cut)]).astype(np.int32)
-        segments = np.concatenate([np.ones(cut), 2 * np.ones(seq - cut)]).astype(np.int32)
-        mask = np.ones((batch, seq), np.float32)
-        mask[:, cut - 1] = 0.0  # the prediction across the document boundary
-        out.append(dict(
-            inputs=toks[:, :-1], targets=toks[:, 1:], positions=np.tile(positions, (batch, 1)),
-            segment_ids=np.tile(segments, (batch, 1)), loss_mask=mask,
-        ))
-    return out
-
-
-def mesh_for(dims: str):
-    shape = parse_mesh_dim(dims, 1 if dims == "1,1,1,1" else 8)
-    return build_mesh(shape, jax.devices()[: shape.n_devices])
-
-
-def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None):
-    placement = place(cfg, mesh_for(dims))
-    optimizer = make_optimizer(opt_cfg)
-    state = create_train_state(placement, optimizer, seed=0)
-    step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), grad_accum)
-    perm = sequence_permutation(placement, T)
-    losses = []
-    for batch in batches or make_batches(cfg):
-        state, metrics = step(state, put_batch(placement, batch, perm))
-        losses.append(float(metrics["loss"]))
-    return dict(placement=placement, state=state, losses=losses, step=step)
-
-
 @pytest.fixture(scope="module")
 def runs():
     return {dims: run(dims) for dims in MESHES}

@@ -1,0 +1,21 @@
+"""The README's Python example runs as written, in a fresh process (it sets up its own devices)."""
+
+import re
+import subprocess
+import sys
+
+from tests.support.cli import ROOT
+
+
+def test_python_example_runs(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Using meshlm from Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loss = float(re.search(r"loss (\d+\.\d+)", result.stdout).group(1))
+    assert 7.0 < loss < 12.0  # about ln(vocab) for a fresh model
