@@ -29,7 +29,7 @@ from meshlm.errors import UsageError
 EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens of common tokenizer families, tried in order when loading a tokenizer.json.
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
-DEFAULT_TRAIN_CHARS = 8_000_000  # about 3 s of BPE training on 2 cores for a 32k vocab
+DEFAULT_TRAIN_CHARS = 8_000_000  # the characters the BPE trainer reads: enough for a 32k vocabulary
 _MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|>
 _FORMAT = "bytebpe-v1"  # bump to invalidate cached tokenizers when training changes
 

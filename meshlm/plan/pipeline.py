@@ -55,8 +55,8 @@ from meshlm.strategy import DEFAULT
 
 # Buffers of each size live at the compiled peak of a pipelined step: the stash counted whole, the
 # other coefficients fitted to XLA:CPU over the fit set in docs/plan.md by a linear program that
-# minimises the worst over-prediction of the total with no case more than 6% under (a plan should
-# err high) and the float32 gradient sums at 1 or more (docs/plan.md gives the errors).
+# minimises the worst over-prediction of the total with a bound on under-prediction (a plan should
+# err high) and the float32 gradient sums at 1 or more (docs/plan.md gives the errors measured since).
 #   acc_layers   the float32 gradient sums of the rank's layers (the clock loop's carry)
 #   acc_tables   the float32 gradient sums of the embedding, final norm and head (replicated over pp)
 #   scan         the stage's layer-stacked gradient of one backward clock (stages of 2 layers or more)
