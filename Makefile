@@ -13,10 +13,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $(STAMP)
 
-# Test-only: pytest, and Hugging Face transformers on PyTorch CPU as the numerical reference.
+# Test-only: pytest, Hugging Face transformers on PyTorch CPU as the numerical reference, and libtpu
+# (the tpu extra) so that a TPU train step can be compiled ahead of time here.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q torch==2.13.0 || echo "PyTorch CPU not installable: the Hugging Face comparison tests will skip"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,tpu]"
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

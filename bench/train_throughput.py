@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     ap.add_argument("--dtype", default="float32", help="compute dtype (float32 is the CPU default)")
-    ap.add_argument("--remat", default="none", help="remat policy: none, full, save_dots, save_qkv_attn")
+    ap.add_argument("--remat", default="none", help="remat policy: none, save_dots, save_attn, save_qkv_attn, full")
     ap.add_argument("--mesh_dim", default="1,8,1,1", help="mesh of the 8-device run")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)

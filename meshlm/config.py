@@ -19,7 +19,9 @@ from meshlm.errors import UsageError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
 # Rematerialisation policies (meshlm.models.llama.REMAT_POLICIES implements them).
-REMAT = ("none", "full", "save_dots", "save_qkv_attn")
+REMAT = ("none", "full", "save_dots", "save_qkv_attn", "save_attn")
+# Attention kernels (meshlm.ops.kernels dispatches them); `auto` picks the backend's own.
+ATTENTION = ("auto", "blockwise", "dense", "cudnn", "triton", "splash")
 
 
 def _flag(default, help: str, **kw):
@@ -115,15 +117,27 @@ class PrecisionConfig:
     """Number formats and rematerialisation."""
 
     dtype: str = _flag("auto", "compute dtype: auto (float32 on CPU, where it is fastest; bfloat16 on GPU/TPU), float32, bfloat16")
-    param_dtype: str = _flag("float32", "parameter and optimizer-state dtype")
-    remat: str = _flag("none", "rematerialisation policy: none, full, save_dots, save_qkv_attn")
+    param_dtype: str = _flag("float32", "parameter and optimizer-state dtype: float32 (bfloat16 is refused for training: it would keep no float32 master copy; use --dtype=bfloat16 for bf16 compute)")
+    remat: str = _flag("none", "rematerialisation policy, what each layer keeps for the backward: none (everything), "
+                       "save_dots (matmul outputs), save_attn (q, k, v, attention output and its projection: recompute "
+                       "the MLP), save_qkv_attn (q, k, v, attention output), full (the layer input)")
+    attention: str = _flag("auto", "attention kernel: auto (splash on TPU, cuDNN or Triton on GPU, blockwise on CPU), blockwise, dense, cudnn, triton, splash")
 
     def check(self) -> None:
         check_dtype(self.dtype)
+        # Training in these formats goes wrong without an error: refused until they get what they need.
+        if self.dtype == "float16":
+            raise UsageError("--dtype=float16 trains without loss scaling (small gradients underflow to zero); "
+                             "train with --dtype=bfloat16 (float16 stays available to meshlm generate and serve)")
+        if self.param_dtype == "bfloat16":
+            raise UsageError("--param_dtype=bfloat16 keeps no float32 master copy (small updates round away); use "
+                             "--dtype=bfloat16 --param_dtype=float32: float32 master weights, bfloat16 compute")
         if self.param_dtype not in PARAM_DTYPES:
-            raise UsageError(f"--param_dtype={self.param_dtype}: choose float32 or bfloat16")
+            raise UsageError(f"--param_dtype={self.param_dtype}: choose float32 (the compute dtype is --dtype)")
         if self.remat not in REMAT:
             raise UsageError(f"--remat={self.remat!r}: choose one of {', '.join(REMAT)}")
+        if self.attention not in ATTENTION:
+            raise UsageError(f"--attention={self.attention!r}: choose one of {', '.join(ATTENTION)}")
 
 
 @dataclass

@@ -62,7 +62,8 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
         model = preset_or_config(cfg.model or "tiny", cfg.model_overrides)
     else:
         model = apply_overrides(read_model_config(init_source), cfg.model_overrides)
-    model = model.replace(dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat)
+    model = model.replace(dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat,
+                          attention=cfg.attention)
     check_context(cfg.seq_len, model)
     return model, init_source
 

@@ -1,13 +1,95 @@
-"""What the machine is: simulated CPU devices and the dtype `auto` means on each backend.
+"""What the machine is and how JAX runs on it: simulated CPU devices, the dtype `auto` means, the
+XLA flags and compilation cache each backend gets, and the share of device memory JAX takes.
 
-`configure_devices` must run before JAX initialises its backends (before the first device query);
-everything here is small and imports JAX lazily so that the CLI can call it first.
+Everything here must run before JAX initialises its backends (before the first device query), so
+it is small, imports JAX lazily and never starts it. `configure_runtime` is what the commands that
+compile (train, explain, generate, serve) call first:
+
+- `--devices=N`: N simulated CPU devices (`configure_devices`);
+- XLA flag presets per backend (`xla_flag_preset`): GPU flags go to `XLA_FLAGS`, TPU flags to
+  `LIBTPU_INIT_ARGS` (libtpu reads its compiler flags there). A variable the user set is left as it
+  is, silently: their flags win whole, none of the preset is merged in. `MESHLM_XLA_PRESET=0` turns
+  the presets off. CPU gets none.
+- a persistent compilation cache in `<meshlm cache>/jax` (`$MESHLM_CACHE`, else
+  `$XDG_CACHE_HOME/meshlm` or `~/.cache/meshlm`, as for tokenizers), unless `JAX_COMPILATION_CACHE_DIR`
+  names another folder; `MESHLM_COMPILATION_CACHE=0` turns it off. JAX writes an entry for every
+  program that took at least `jax_persistent_cache_min_compile_time_secs` (1 s by default) to compile.
+
+Which backend JAX will pick is decided without starting it (`detect_backend`): the first entry of
+`JAX_PLATFORMS` (or of `jax_platforms`) when set; else the backend JAX already runs, if it started;
+else a TPU when libtpu is installed and TPU chips are on the PCI bus, a GPU when a CUDA plugin is
+installed and an NVIDIA device node exists (JAX's own order of preference), otherwise the CPU.
+libtpu alone (installed to compile for TPU topologies ahead of time) does not make a machine a TPU
+host.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
+from meshlm.errors import UsageError
+
+OFF = ("0", "false", "off", "no")
+
+# Flag presets: {environment variable: [flags]}. An unknown flag (or a bad value) aborts the process
+# when the backend starts, so every name here was checked against the XLA in the jaxlib/libtpu these
+# versions pin (tests/test_platform.py starts a backend with each preset).
+GPU_FLAGS = [
+    # Schedule the asynchronous collectives (fsdp all-gathers, gradient reduce-scatters, dp
+    # all-reduces) around the matmuls so that they overlap with compute instead of running between
+    # kernels. XLA:GPU already runs collectives asynchronously; this decides where they start and end.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # Give the collectives' stream the highest CUDA priority, so a queue of compute kernels does not
+    # delay the start the scheduler planned for them.
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    # The layers run as one scanned loop: issue layer i+1's parameter all-gather while layer i
+    # computes, and let the backward's gradient reduce-scatter / all-reduce of layer i finish during
+    # the next iteration (XLA's collective pipeliner over while loops).
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    # Unroll that loop by two so the pipelined collectives write into alternating buffers (no copy
+    # of a gathered layer per iteration).
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    # Combine small collectives into one launch up to 128 MiB of result: a layer's attention
+    # projections and norm scales travel together, while two MLP matrices of an 8B model
+    # (4096 × 14336, 117 MB each in bf16) never do, so combining adds about one matrix to the peak.
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    # By default only collectives along the same dimension combine; q/k/v/o and the MLP matrices
+    # are gathered along different ones.
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+]
+TPU_FLAGS = [
+    # Overlap collectives with compute: the latency-hiding scheduler places them ...
+    "--xla_tpu_enable_latency_hiding_scheduler=true",
+    # ... as asynchronous collective fusions that run beside the TensorCore's work,
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    # each free to span several compute steps, fsdp's parameter all-gathers asynchronous too. (Fusing
+    # all-gathers into those fusions is left out: newer libtpu refuses it outside TPU v5e, naming
+    # wrong results and hangs as the risk.)
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_enable_async_all_gather=true",
+    # Overlap the data-parallel gradient all-reduce with the backward pass, also when the gradients
+    # it combines differ in size.
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+]
+PRESETS = {"gpu": {"XLA_FLAGS": GPU_FLAGS}, "tpu": {"LIBTPU_INIT_ARGS": TPU_FLAGS}, "cpu": {}}
+
+# JAX's GPU client takes this share of device memory unless told otherwise (jaxlib's
+# generate_pjrt_gpu_plugin_options passes no fraction; XLA's GPU allocator defaults to 0.75). With
+# preallocation off the allocator grows on demand up to the same cap.
+DEFAULT_GPU_MEMORY_FRACTION = 0.75
+
+
+# ------------------------------------------------------------------------------------ devices, dtypes
 
 def configure_devices(devices: int | None) -> None:
     """`--devices=N`: N simulated CPU devices (XLA's host device count), CPU only."""
@@ -33,3 +115,141 @@ def resolve_dtype(dtype: str, backend: str | None = None) -> str:
 
         backend = jax.default_backend()
     return default_dtype(backend)
+
+
+# ------------------------------------------------------------------------------------ which backend
+
+def _platform_kind(name: str) -> str:
+    name = name.strip().lower()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else "tpu" if name == "tpu" else "cpu"
+
+
+def _started_backend() -> str | None:
+    """The backend JAX runs on, if it has started (never starts it)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None or not bridge.backends_are_initialized():
+        return None
+    import jax
+
+    return _platform_kind(jax.default_backend())
+
+
+def _tpu_chips() -> int:
+    try:
+        from jax._src import hardware_utils  # JAX's own PCI scan; importing jax does not start it
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except Exception:  # noqa: BLE001  (a private helper: treat its absence as no TPU)
+        return 0
+
+
+def _nvidia_device() -> bool:
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
+
+
+def detect_backend(environ=None) -> str:
+    """'gpu', 'tpu' or 'cpu': the backend JAX will run on here, decided without starting JAX."""
+    environ = os.environ if environ is None else environ
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if not platforms and "jax" in sys.modules:  # jax_platforms set through jax.config.update
+        platforms = (sys.modules["jax"].config.jax_platforms or "").strip()
+    if platforms:
+        return _platform_kind(platforms.split(",")[0])
+    started = _started_backend()
+    if started:
+        return started
+    if importlib.util.find_spec("libtpu") is not None and _tpu_chips() > 0:
+        return "tpu"
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and _nvidia_device():
+        return "gpu"
+    return "cpu"
+
+
+# ------------------------------------------------------------------------------------ runtime settings
+
+def xla_flag_preset(backend: str) -> dict[str, str]:
+    """{environment variable: flags} meshlm sets for `backend` ('gpu', 'tpu', 'cpu'); {} on CPU."""
+    return {var: " ".join(flags) for var, flags in PRESETS[_platform_kind(backend)].items()}
+
+
+def apply_xla_flag_preset(backend: str | None = None, environ=None) -> dict[str, str]:
+    """Set the preset's variables for `backend` (default: `detect_backend`) where they are unset;
+    returns what it set. Does nothing with `MESHLM_XLA_PRESET=0`, or for a variable the user set (a
+    parent process that applied the preset counts as the user: its children inherit the same flags).
+    Only a backend that has not started yet reads them."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MESHLM_XLA_PRESET", "").strip().lower() in OFF:
+        return {}
+    applied = {}
+    for var, flags in xla_flag_preset(backend or detect_backend(environ)).items():
+        if not environ.get(var, "").strip():
+            environ[var] = applied[var] = flags
+    return applied
+
+
+def compilation_cache_dir(environ=None) -> Path | None:
+    """The folder for JAX's persistent compilation cache: `<meshlm cache>/jax`, or None with
+    `MESHLM_COMPILATION_CACHE=0`."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MESHLM_COMPILATION_CACHE", "").strip().lower() in OFF:
+        return None
+    root = environ.get("MESHLM_CACHE") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshlm"
+    return Path(root).expanduser() / "jax"
+
+
+def enable_compilation_cache(environ=None) -> str | None:
+    """Point JAX's persistent compilation cache at `compilation_cache_dir` unless the user named a
+    folder (`JAX_COMPILATION_CACHE_DIR`) or turned it off; returns the folder in use, or None. A
+    folder that cannot be created leaves the cache off rather than failing the run."""
+    import jax
+
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    path = compilation_cache_dir(environ)
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return str(path)
+
+
+def configure_runtime(devices: int | None = None) -> None:
+    """What every command that compiles runs first, before JAX starts: `--devices`, the XLA flag
+    preset for the backend, the persistent compilation cache. In a process where JAX already runs
+    (a notebook, a test session calling `train(cfg)`) it changes nothing: the flags could no longer
+    take effect, and a cache is the caller's choice there."""
+    configure_devices(devices)
+    if _started_backend():
+        return
+    apply_xla_flag_preset()
+    enable_compilation_cache()
+
+
+# ------------------------------------------------------------------------------------ device memory
+
+def gpu_memory_fraction(environ=None) -> tuple[float, str]:
+    """(share of each GPU's memory JAX may use, which setting says so), read as jaxlib reads it:
+    `XLA_CLIENT_MEM_FRACTION` (or the older `XLA_PYTHON_CLIENT_MEM_FRACTION`), else 0.75 whether or
+    not memory is preallocated; `XLA_PYTHON_CLIENT_ALLOCATOR=platform` allocates on demand with no cap."""
+    environ = os.environ if environ is None else environ
+    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() == "platform":
+        return 1.0, "XLA_PYTHON_CLIENT_ALLOCATOR=platform"
+    new, old = environ.get("XLA_CLIENT_MEM_FRACTION", ""), environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    if new and old:
+        raise UsageError("XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both set; "
+                         "unset XLA_PYTHON_CLIENT_MEM_FRACTION (JAX refuses both)")
+    var = "XLA_CLIENT_MEM_FRACTION" if new else "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    value = new or old
+    if not value:
+        return DEFAULT_GPU_MEMORY_FRACTION, "JAX's default GPU memory fraction"
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise UsageError(f"{var}={value}: give a fraction of device memory in (0, 1], e.g. 0.9")
+    return fraction, f"{var}={value}"

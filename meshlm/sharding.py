@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshlm.axes import QUERIES, TOKENS
+from meshlm.axes import KEYS, QUERIES, TOKENS
 from meshlm.errors import UsageError
 
 MeshAxes = str | tuple[str, ...] | None
@@ -237,6 +237,34 @@ def ring_spec() -> RingSpec | None:
     )
 
 
+@dataclass(frozen=True)
+class KernelLayout:
+    """Where a fused attention kernel runs shard by shard: the mesh being traced, the layouts of its
+    [batch, length, heads, head_dim] inputs and [batch, length] positions, and the devices' platform."""
+
+    mesh: Any  # the active Mesh, or the abstract mesh of the shard_map being traced
+    q_spec: P
+    kv_spec: P
+    seq_spec: P
+    platform: str
+
+
+def kernel_layout() -> KernelLayout | None:
+    """The layout for a per-shard attention kernel under `activate` (None outside it): batch and heads
+    split as the strategy says, the sequence whole (a split sequence goes to `ring_spec`)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    q, kv = activation_spec(QUERIES), activation_spec(KEYS)
+    return KernelLayout(
+        mesh=_manual_context() or active.mesh,
+        q_spec=P(q[0], None, q[2], None),
+        kv_spec=P(kv[0], None, kv[2], None),
+        seq_spec=P(q[0], None),
+        platform=active.mesh.devices.flat[0].platform,
+    )
+
+
 def describe_specs(specs: Any) -> list[tuple[str, str]]:
     """(path, PartitionSpec) rows for logs and tests."""
     rows = []
@@ -248,5 +276,5 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 __all__ = [
     "Strategy", "for_decoding", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
-    "data_parallel_size", "sequence_parallel_size", "describe_specs",
+    "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "describe_specs",
 ]

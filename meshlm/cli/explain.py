@@ -27,12 +27,12 @@ def parser() -> Parser:
 
 
 def run(argv: list[str]) -> int:
-    from meshlm.platform import configure_devices
+    from meshlm.platform import configure_runtime
 
     argv, overrides = split_model_overrides(argv)
     args = parser().parse_args(argv)
     cfg = train_config(args, overrides, drop=("tensor", "png", "json"))
-    configure_devices(cfg.devices)
+    configure_runtime(cfg.devices)
     from meshlm.explain.report import explain
 
     report = explain(cfg, args.tensor, args.png)

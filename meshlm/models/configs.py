@@ -45,6 +45,10 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute dtype of matmuls; softmax and loss are always float32
     param_dtype: str = "float32"
     remat: str = "none"  # see meshlm.models.llama.REMAT_POLICIES
+    attention: str = "auto"  # attention kernel, see meshlm.ops.kernels
+    # Training loss: positions of each row whose float32 logits exist at once (meshlm.models.loss);
+    # 0: the whole sequence in one piece.
+    loss_chunk: int = 1024
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -57,6 +61,8 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--model.{name}={getattr(self, name)} must be a positive integer")
+        if self.loss_chunk < 0:
+            raise UsageError(f"--model.loss_chunk={self.loss_chunk}: give positions per loss chunk (> 0), or 0 for none")
         if self.n_heads % self.n_kv_heads:
             raise UsageError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "

@@ -25,15 +25,23 @@ from jax.ad_checkpoint import checkpoint_name
 from meshlm import axes, sharding
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
-from meshlm.ops.attention import blockwise_attention, dot_product_attention
+from meshlm.models.loss import head_loss_sums, project
+from meshlm.ops import kernels
+from meshlm.ops.attention import LSE_NAME, OUT_NAME
 from meshlm.ops.decode import decode_attention
 from meshlm.ops.ring import ring_attention
 
+# What each layer keeps for its backward pass (the rest is recomputed there), heaviest first. The names are
+# `checkpoint_name` tags: "qkv" the rotated projections, OUT_NAME / LSE_NAME the attention kernel's output
+# and log-sum-exp (tagged inside the kernels, so the backward never re-runs attention), "attn_proj" the
+# attention's output projection. meshlm.plan.memory models what each one keeps.
+_ATTN = ("qkv", OUT_NAME, LSE_NAME)
 REMAT_POLICIES = {
     "none": None,  # keep every activation: fastest, most memory
-    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs only
-    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out"),
+    "save_attn": jax.checkpoint_policies.save_only_these_names(*_ATTN, "attn_proj"),  # recompute norms, MLP
+    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names(*_ATTN),  # and the output projection
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer in the backward pass
 }
 
 
@@ -109,13 +117,14 @@ class Attention(nnx.Module):
         v = sharding.constrain(v, axes.KEYS)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))
         if cache is None:
-            out = attend(q, k, v, positions, segment_ids)
+            out = attend(q, k, v, positions, segment_ids, kernel=self.cfg.attention)
         else:
             k, v = cache.write(k, v, positions)
             rows, length = cache.kv_positions.shape
             out = decode_attention(q, k[:rows, :length], v[:rows, :length], positions, cache.kv_positions)
-        out = checkpoint_name(sharding.constrain(out, axes.QUERIES), "attn_out")
-        return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), (k, v)
+        # The attention kernels tag their own output (and log-sum-exp) for the remat policies.
+        out = sharding.constrain(out, axes.QUERIES)
+        return checkpoint_name(jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), "attn_proj"), (k, v)
 
 
 class LayerCache(NamedTuple):
@@ -140,18 +149,23 @@ class LayerCache(NamedTuple):
         return sharding.constrain(k, axes.KV_CACHE), sharding.constrain(v, axes.KV_CACHE)
 
 
-def attend(q, k, v, positions, segment_ids):
-    """Causal attention: RingAttention when `length` is sharded, blockwise (flash) when long, else dense."""
+def attend(q, k, v, positions, segment_ids, kernel: str = "auto"):
+    """Causal attention: RingAttention when `length` is sharded, else the `kernel` (`--attention`) that
+    `meshlm.ops.kernels` runs for the platform of the active mesh (auto: splash on TPU, cuDNN or Triton
+    on GPU, dense below 1024 tokens and blockwise from there on CPU)."""
     ring = sharding.ring_spec()
     kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     if ring is not None:
         return ring_attention(
             q, k, v, **kw, mesh=ring.mesh, axis_name=ring.axis_name, qkv_spec=ring.qkv_spec, seq_spec=ring.seq_spec
         )
-    T = q.shape[1]
-    if T >= 1024 and T % 512 == 0:
-        return blockwise_attention(q, k, v, **kw)
-    return dot_product_attention(q, k, v, **kw)
+    # The mesh the model is traced for says the platform (a TPU topology compiles on a CPU host) and
+    # gives the layout the fused kernels run per shard in.
+    found = sharding.kernel_layout()
+    if found is None:
+        return kernels.attention(q, k, v, **kw, kernel=kernel)
+    layout = kernels.Layout(mesh=found.mesh, q_spec=found.q_spec, kv_spec=found.kv_spec, seq_spec=found.seq_spec)
+    return kernels.attention(q, k, v, **kw, kernel=kernel, platform=found.platform, layout=layout)
 
 
 class MLP(nnx.Module):
@@ -226,8 +240,10 @@ class Llama(nnx.Module):
         table = self.embed[...] if params is None else params["embed"]
         # Gather from a table whose vocab dim stays split over the model axis and whose embed dim is whole:
         # each shard looks up its own rows and one reduction assembles the activations.
-        table = sharding.constrain(table, axes.EMBED_TABLE)
-        x = jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        # The table is cast to the compute dtype first, so the lookup, the assembly and the gradient's
+        # reduction all move compute-dtype rows.
+        table = sharding.constrain(table.astype(jnp.dtype(self.cfg.dtype)), axes.EMBED_TABLE)
+        x = jnp.take(table, tokens, axis=0)
         return sharding.constrain(x, axes.STREAM), positions
 
     def run_layers(self, x, positions, segment_ids=None, layers=None, *, return_kv: bool = False):
@@ -249,6 +265,17 @@ class Llama(nnx.Module):
     def head(self, x, params=None):
         """Final norm and output projection: float32 logits [B, T, V]. `params`: a tree with `final_norm`
         and the output weights (`embed` when tied, else `lm_head`) to use instead of this model's own."""
+        return project(*self._head_input(x, params))
+
+    def head_loss(self, x, targets, loss_mask, params=None, *, one_hot: bool = False):
+        """The head and the token loss in one: (sum of the losses of tokens whose `loss_mask` is 1, their
+        number), float32, with the logits computed `cfg.loss_chunk` positions at a time and never kept
+        whole (`meshlm.models.loss.head_loss_sums`). `params` as for `head`."""
+        x, weights = self._head_input(x, params)
+        return head_loss_sums(x, weights, targets, loss_mask, chunk=self.cfg.loss_chunk, one_hot=one_hot)
+
+    def _head_input(self, x, params=None):
+        """(the final-normed stream, the output weights [E, V]) from this model's or `params`' weights."""
         cfg = self.cfg
         if params is None:
             scale = self.final_norm.scale[...]
@@ -256,9 +283,7 @@ class Llama(nnx.Module):
         else:
             scale = params["final_norm"]["scale"]
             weights = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-        x = rms_norm(x, scale, cfg.norm_eps)
-        logits = jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
-        return sharding.constrain(logits, axes.LOGITS)
+        return rms_norm(x, scale, cfg.norm_eps), weights
 
     # ------------------------------------------------------------------------- unrolled, for serving
 

@@ -1,8 +1,22 @@
-"""The token loss: cross-entropy of float32 logits against integer targets, summed over counted tokens.
+"""The token loss: cross-entropy against integer targets, summed over counted tokens, in float32.
 
-    total, count = token_loss_sums(logits, targets, loss_mask)   # the mean loss is total / count
+    total, count = token_loss_sums(logits, targets, loss_mask)        # from logits already computed
+    total, count = head_loss_sums(x, weights, targets, loss_mask, chunk=1024)  # from the final stream
 
-Every training path (plain, gradient accumulation, ZeRO shards, pipeline stages) computes its loss here.
+Every training path (plain, gradient accumulation, ZeRO shards, pipeline stages) computes its loss with
+`head_loss_sums` (through `Llama.head_loss`); the mean loss is total / count.
+
+`head_loss_sums` never holds float32 logits of the whole batch. The output projection (`project`:
+compute-dtype operands, float32 logits, a compute-dtype backward) runs one chunk of sequence positions
+at a time, inside a `lax.scan` whose body is rematerialised: the backward pass recomputes a chunk's
+logits instead of keeping them, so only one chunk's [B, chunk, V] logits (and their cotangent) are
+alive at once.
+
+Chunk i holds positions i, i + n, i + 2n, ... of every row (n chunks). A sequence split over sp is
+split in contiguous blocks, so each device's own positions fall evenly into every chunk: a chunk keeps
+the layout of the whole (batch over the data axes, length over sp, vocab over tp) and every device
+works on every chunk. Which positions share a chunk does not matter to a sum over tokens, so the zigzag
+order of a ring changes nothing.
 """
 
 from __future__ import annotations
@@ -11,22 +25,101 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshlm import axes, sharding
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, *, one_hot: bool = False) -> jax.Array:
+    """Per-token negative log-likelihood [...] of float32 logits [..., V] against integer targets [...].
+
+    `one_hot` picks the target's logit by a product with its one-hot vector instead of a gather: inside
+    the pipeline's shard_map XLA cannot partition a gather over a vocabulary split across tp while the
+    rows are split across the data axes; the product partitions like any elementwise op."""
+    if one_hot:
+        picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+        return jax.nn.logsumexp(logits, axis=-1) - picked
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
 
 def token_loss_sums(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, *,
                     one_hot: bool = False) -> tuple[jax.Array, jax.Array]:
     """(sum of the token losses whose `loss_mask` is 1, number of such tokens), float32.
 
-    logits [B, T, V] float32, targets [B, T] int, loss_mask [B, T] (0 or 1, any dtype). `one_hot` picks
-    the target's logit by a product with its one-hot vector instead of a gather: inside the pipeline's
-    shard_map XLA cannot partition a gather over a vocabulary split across tp while the rows are split
-    across the data axes; the product partitions like any elementwise op."""
-    if one_hot:
-        picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
-        nll = jax.nn.logsumexp(logits, axis=-1) - picked
-    else:
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    logits [B, T, V] float32, targets [B, T] int, loss_mask [B, T] (0 or 1, any dtype)."""
     mask = loss_mask.astype(jnp.float32)
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    return jnp.sum(cross_entropy(logits, targets, one_hot=one_hot) * mask), jnp.sum(mask)
 
 
-__all__ = ["token_loss_sums"]
+def project(x: jax.Array, weights: jax.Array) -> jax.Array:
+    """x [B, T, E] @ weights [E, V]: float32 logits [B, T, V], the vocabulary laid out as the strategy says.
+
+    The matmul takes its operands in x's dtype (the compute dtype) and gives the float32 it accumulates
+    in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
+    cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
+    and in the weights' own dtype. In float32 this is plain autodiff of one matmul."""
+    if x.dtype == jnp.float32:
+        logits = jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        logits = _compute_dtype_logits(x, weights)
+    return sharding.constrain(logits, axes.LOGITS)
+
+
+@jax.custom_vjp
+def _compute_dtype_logits(x, weights):
+    return jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, weights):
+    return _compute_dtype_logits(x, weights), (x, weights)
+
+
+def _logits_bwd(saved, g):
+    x, weights = saved
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("btv,ev->bte", g, weights.astype(x.dtype))
+    dw = jnp.einsum("bte,btv->ev", x, g, preferred_element_type=jnp.float32)
+    return dx, dw.astype(weights.dtype)
+
+
+_compute_dtype_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+def num_chunks(length: int, chunk: int) -> int:
+    """How many chunks of at most `chunk` positions cover `length` (1: all at once; chunk 0 means that)."""
+    return 1 if chunk <= 0 or chunk >= length else -(-length // chunk)
+
+
+def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_mask: jax.Array, *,
+                   chunk: int, one_hot: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`token_loss_sums(project(x, weights), targets, loss_mask)` computed `chunk` positions at a time.
+
+    x [B, T, E] the normed final stream in the compute dtype, weights [E, V] the output projection
+    (any float dtype; cast to x's), targets and loss_mask [B, T]. `chunk` 0, or not below T: one piece,
+    no scan. Otherwise n = ceil(T / chunk) chunks of ceil(T / n) positions; when n does not divide T
+    the rows are padded with uncounted positions."""
+    B, T, E = x.shape
+    n = num_chunks(T, chunk)
+    if n == 1:
+        return token_loss_sums(project(x, weights), targets, loss_mask, one_hot=one_hot)
+    mask = loss_mask.astype(jnp.float32)
+    L = -(-T // n)
+    if pad := n * L - T:  # padded positions: zero activations, target 0, not counted
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        targets, mask = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, mask))
+    # [B, L·n, ...] -> [n, B, L, ...]: chunk i is positions i, i + n, ... (see the module docstring).
+    xs = sharding.constrain(x.reshape(B, L, n, E).transpose(2, 0, 1, 3), (None, *axes.STREAM))
+    ts, ms = (sharding.constrain(a.reshape(B, L, n).transpose(2, 0, 1), (None, *axes.TOKENS)) for a in (targets, mask))
+    # The weights are gathered once, before the loop, in the compute dtype (their embed dimension whole,
+    # the vocabulary split as the logits are). The loop takes them as float32 values so that the backward
+    # pass sums the chunks' weight gradients in float32; each chunk casts them back, exactly.
+    w = sharding.constrain(weights.astype(x.dtype), axes.HEAD).astype(jnp.float32)
+
+    def one_chunk(total, chunk_in):
+        xc, tc, mc = chunk_in
+        nll = cross_entropy(project(sharding.constrain(xc, axes.STREAM), w), tc, one_hot=one_hot)
+        return total + jnp.sum(nll * mc), None
+
+    total, _ = jax.lax.scan(jax.checkpoint(one_chunk, prevent_cse=False), jnp.zeros((), jnp.float32), (xs, ts, ms))
+    return total, jnp.sum(mask)
+
+
+__all__ = ["cross_entropy", "token_loss_sums", "project", "num_chunks", "head_loss_sums"]

@@ -8,7 +8,8 @@ layers `k·L/S .. (k+1)·L/S - 1`.
 
 The embedding runs in the first stage (it is recomputed in the backward pass, so no stage holds the
 whole batch's activations), the head (final norm, output projection, loss) inside the last stage's
-backward step. Both tables are replicated over `pp`, and their gradients summed over it.
+backward step, its logits `loss_chunk` positions at a time as without a pipeline. Both tables are
+replicated over `pp`, and their gradients summed over it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import axes, sharding
-from meshlm.models.loss import token_loss_sums
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule, pipeline_value_and_grad
 
@@ -57,7 +57,7 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
         return model.run_layers(x, s["positions"], s["segment_ids"], layers)[0]
 
     def head_fn(hp, x, s):
-        total, _ = token_loss_sums(model.head(x, hp), s["targets"], s["loss_mask"], one_hot=True)
+        total, _ = model.head_loss(x, s["targets"], s["loss_mask"], hp, one_hot=True)
         return total / count
 
     head = {"final_norm": params["final_norm"]}

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 
@@ -345,6 +346,17 @@ def backward_chunk(
     return lax.fori_loop(0, t // bq, per_query_block, tuple(grads))
 
 
+# Every attention kernel tags its output OUT_NAME and the log-sum-exp its backward reads LSE_NAME
+# (`checkpoint_name`; custom-VJP kernels tag the residuals of their forward rule): a remat policy
+# (`meshlm.models.llama.REMAT_POLICIES`) that saves both never runs the kernel's forward again.
+OUT_NAME, LSE_NAME = "attn_out", "attn_lse"
+
+
+def name_residuals(out, lse):
+    """(out, lse) tagged OUT_NAME and LSE_NAME for the remat policies; the values are unchanged."""
+    return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
+
+
 def output_delta(out, dout):
     """delta = rowsum(dout * out) in float32 [B,KVH,G,T], the softmax term of the backward."""
     return jnp.moveaxis(jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1), 1, 3)
@@ -361,7 +373,8 @@ def dot_product_attention(
     """Plain attention that materialises the [T, S] score matrix: the reference (also for the decode
     kernel, `meshlm.ops.decode`, whose empty cache slots have kv_positions < 0).
 
-    See the module docstring for shapes and the masking rule. Differentiable by ordinary autodiff.
+    See the module docstring for shapes and the masking rule. Differentiable by ordinary autodiff (the
+    backward recomputes the probabilities from q and k; the output is tagged OUT_NAME).
     """
     check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal)
@@ -372,7 +385,7 @@ def dot_product_attention(
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l > 0, l, 1.0)  # a row with nothing to attend stays all 0
     out = _dot("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
-    return ungroup_queries(out).astype(q.dtype)
+    return checkpoint_name(ungroup_queries(out).astype(q.dtype), OUT_NAME)
 
 
 class _Blocks(NamedTuple):
@@ -394,7 +407,7 @@ def _blockwise(cfg: _Blocks, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _blockwise_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = _blockwise_forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    out, lse = name_residuals(*_blockwise_forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg))
     # Residuals are O(T): the inputs, the output and one log-sum-exp per query row.
     return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
 

@@ -135,7 +135,7 @@ def _ring_attention(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _ring_attention_fwd(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = _ring_forward(ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    out, lse = attn.name_residuals(*_ring_forward(ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg))
     return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
 
 

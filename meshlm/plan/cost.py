@@ -50,6 +50,7 @@ _RECOMPUTED = {
     "full": {"attn.qkv", "attention", "attn.out", "mlp.in", "mlp.down"},
     "save_dots": {"attention"},
     "save_qkv_attn": {"attn.out", "mlp.in", "mlp.down"},
+    "save_attn": {"mlp.in", "mlp.down"},
     "none": set(),
 }
 

@@ -12,6 +12,12 @@ the fast domain, in one direction. On NVSwitch GPUs that is the GPU's whole NVLi
 direction. On a TPU torus a mesh axis laid along one ICI axis with wrap-around is a bidirectional
 ring: two links of one-way bandwidth each (MaxText's sharding guide: "comm speed of 1 ICI axis is
 180 GB/s" on v6e, 2 × 90 GB/s). `slow_bandwidth` is one device's share of its host's NICs.
+
+Memory is budgeted as JAX gets it: a catalog entry states the datasheet's memory, and
+`resolve_hardware` keeps the share JAX's client takes of it: on GPUs 75% unless
+`XLA_CLIENT_MEM_FRACTION` (or `XLA_PYTHON_CLIENT_MEM_FRACTION`) says otherwise, all of it with
+`XLA_PYTHON_CLIENT_ALLOCATOR=platform` (`meshlm.platform.gpu_memory_fraction`); on TPUs and the CPU
+all of it.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ class Hardware:
     name: str
     peak_bf16: float  # dense matmul FLOP/s in bfloat16
     peak_fp32: float  # dense matmul FLOP/s for float32 inputs at JAX's default precision (TF32 / bf16 passes)
-    hbm_bytes: float  # device memory
+    hbm_bytes: float  # device memory the planner budgets: the datasheet's × memory_fraction
     hbm_bandwidth: float  # device memory bytes/s
     fast_bandwidth: float  # bytes/s one way, per device, per mesh axis inside the fast domain
     slow_bandwidth: float  # bytes/s one way, per device, across fast domains
@@ -37,6 +43,17 @@ class Hardware:
     fast_name: str = "NVLink"
     slow_name: str = "InfiniBand"
     source: str = ""
+    memory_fraction: float = 1.0  # the share of the device's memory JAX takes
+    memory_setting: str = ""  # which setting decided memory_fraction
+
+    @property
+    def memory_note(self) -> str:
+        """How the budget was derived, e.g. "75% of 80 GB (JAX's default GPU memory fraction)"; empty
+        when JAX takes the whole device."""
+        if self.memory_fraction == 1.0:
+            return ""
+        return (f"{self.memory_fraction:.0%} of {self.hbm_bytes / self.memory_fraction / 1e9:.3g} GB "
+                f"({self.memory_setting})")
 
     def peak_flops(self, dtype: str) -> float:
         """Peak matmul FLOP/s for this compute dtype."""
@@ -141,10 +158,22 @@ def hardware_key(name: str) -> str:
     return key
 
 
+def with_memory_fraction(hw: Hardware, fraction: float, setting: str) -> Hardware:
+    """`hw` with only `fraction` of its datasheet memory budgeted, and why."""
+    whole = hw.hbm_bytes / hw.memory_fraction
+    source = hw.source if fraction == 1.0 else f"{hw.source}; memory: {fraction:.0%} ({setting})"
+    return replace(hw, hbm_bytes=whole * fraction, memory_fraction=fraction, memory_setting=setting, source=source)
+
+
 def resolve_hardware(name: str, n_devices: int, dtype: str = "bfloat16", devices_per_host: int | None = None) -> Hardware:
-    """Catalog entry (or the measured CPU) for `--hardware`, with `--devices_per_host` applied."""
+    """Catalog entry (or the measured CPU) for `--hardware`, with `--devices_per_host` applied and,
+    on GPUs, the memory JAX takes there (this process's environment: the run is assumed to share it)."""
+    from meshlm.platform import gpu_memory_fraction
+
     key = hardware_key(name)
     hw = cpu_hardware(n_devices, dtype) if key == "cpu" else CATALOG[key]
+    if hw.fast_name == "NVLink":  # a GPU
+        hw = with_memory_fraction(hw, *gpu_memory_fraction())
     if devices_per_host is not None:
         if devices_per_host <= 0:
             raise UsageError(f"--devices_per_host={devices_per_host} must be a positive integer")
@@ -152,3 +181,15 @@ def resolve_hardware(name: str, n_devices: int, dtype: str = "bfloat16", devices
         fast = devices_per_host if hw.fast_name == "NVLink" else hw.fast_domain
         hw = replace(hw, devices_per_host=devices_per_host, fast_domain=fast)
     return hw
+
+
+def device_memory_budget(device=None) -> float | None:
+    """Bytes JAX's allocator may use on `device` (default: the first local device) as the running
+    client reports it (`memory_stats()["bytes_limit"]`: the GPU fraction applied, the TPU's HBM), or
+    None where the backend does not say (CPU). Starts JAX."""
+    if device is None:
+        import jax
+
+        device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None

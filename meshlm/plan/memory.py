@@ -13,8 +13,12 @@ program of meshlm's layer stacks for the backward pass under each `--remat` poli
 
     none           6E + 6Ml + 2·Hl·D + 2·Kl·D (+ 2·Hl·T + 3·Hl for dense attention's scores) + 4
     save_dots      2E + 2Ml + Hl·D + 2·Kl·D       (matmul outputs: q, k, v, attention out, gate, up)
-    save_qkv_attn  E + 2·Hl·D + 2·Kl·D             (the layer input, q, k, v, attention output)
+    save_attn      2E + 2·Hl·D + 2·Kl·D (+ lse)   (save_qkv_attn and the output projection's result)
+    save_qkv_attn  E + 2·Hl·D + 2·Kl·D (+ lse)    (the layer input, q, k, v, attention output)
     full           E                               (the layer input only)
+
+where lse is the float32 log-sum-exp per query head that the blockwise and ring kernels keep for
+their backward (Hl float32 values; dense attention has none).
 
 Temporaries are what else is live at the peak. The compiled step peaks in one of two places, and
 the peak is the larger of the two:
@@ -72,8 +76,9 @@ def saved_per_token_layer(loc: Local, remat: str) -> int:
         return E
     if remat == "save_dots":
         return 2 * E + 2 * Ml + Hl * D + 2 * Kl * D
-    if remat == "save_qkv_attn":
-        return E + 2 * Hl * D + 2 * Kl * D
+    if remat in ("save_qkv_attn", "save_attn"):
+        lse = 0 if loc.attention == "dense" else Hl * 4 // loc.job.act_bytes  # float32, in activation elements
+        return (2 if remat == "save_attn" else 1) * E + 2 * Hl * D + 2 * Kl * D + lse
     scores = 2 * Hl * loc.job.seq_len + 3 * Hl if loc.attention == "dense" else 0
     return 6 * E + 6 * Ml + 2 * Hl * D + 2 * Kl * D + scores + 4
 

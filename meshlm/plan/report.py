@@ -103,6 +103,7 @@ def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str],
                 "pipeline": {"schedule": job.pipeline.schedule, "microbatches": job.pipeline.microbatches,
                              "virtual_stages": job.pipeline.virtual_stages}},
         "hardware": {"name": hw.name, "peak_flops_per_second": hw.peak_flops(c.dtype), "memory_bytes": hw.hbm_bytes,
+                     "memory_fraction": hw.memory_fraction,
                      "memory_bytes_per_second": hw.hbm_bandwidth, "fast_link": hw.fast_name,
                      "fast_link_bytes_per_second": hw.fast_bandwidth, "slow_link": hw.slow_name,
                      "slow_link_bytes_per_second": hw.slow_bandwidth, "fast_domain_devices": hw.fast_domain,
@@ -127,7 +128,8 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     c = job.cfg
     console.print(f"[bold]{' '.join(model_flags)}[/]: {c.num_params() / 1e9:.3g}B parameters; batch {job.batch_size} × "
                   f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
-                  f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB, {_links(hw)} per device); remat {c.remat}", highlight=False)
+                  f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
+                  f"device); remat {c.remat}", highlight=False)
     shown = plans[:top]
     verified = any(p.compiled for p in shown)
     staged = any(p.pipeline for p in shown)

@@ -24,7 +24,8 @@ _TPU_TOPOLOGY = {"tpu-v4": ("v4", 3), "tpu-v5e": ("v5e", 2), "tpu-v5p": ("v5p", 
 
 
 def _topology_name(version: str, dims: int, n: int) -> str | None:
-    """'v6e:4x4' style name for n chips, as square as possible."""
+    """'v6e:4x4' style name for n chips, as square as possible, largest side first ('v5p:2x2x1': libtpu
+    refuses '1x2x2')."""
     sides = [1] * dims
     remaining = n
     while remaining > 1:
@@ -33,7 +34,7 @@ def _topology_name(version: str, dims: int, n: int) -> str | None:
             return None
         sides[i] *= 2
         remaining //= 2
-    return f"{version}:{'x'.join(str(s) for s in sorted(sides))}"
+    return f"{version}:{'x'.join(str(s) for s in sorted(sides, reverse=True))}"
 
 
 def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
@@ -42,7 +43,11 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
 
     if hardware in _TPU_TOPOLOGY:
         try:
+            import os
+
             from jax.experimental import topologies
+
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: share libtpu with other processes
 
             name = _topology_name(*_TPU_TOPOLOGY[hardware], n)
             if name:

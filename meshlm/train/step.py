@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshlm import sharding
+from meshlm import axes, sharding
 from meshlm.errors import UsageError
-from meshlm.models.loss import token_loss_sums
 from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
@@ -32,9 +31,23 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
 def loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(sum of token losses, number of counted tokens) for one (micro-)batch."""
-    logits = placement.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    return token_loss_sums(logits, batch["targets"], batch["loss_mask"])
+    """(sum of token losses, number of counted tokens) for one (micro-)batch. The model runs as
+    `Placement.apply` runs it, but the head and the loss run as one (`Llama.head_loss`): the logits are
+    computed `cfg.loss_chunk` positions at a time and never held for the whole batch."""
+    model, mesh = placement.structure, placement.mesh
+    with sharding.activate(mesh, placement.strategy):
+        x, positions = model.embed_tokens(batch["inputs"], batch["positions"], params)
+        if not placement.groups:
+            x, _ = model.run_layers(x, positions, batch["segment_ids"], params["layers"])
+    for before, group in zip((None, *placement.groups), placement.groups):  # as Placement._apply_groups
+        with sharding.activate(mesh, group.strategy):
+            if before is not None:
+                with jax.named_scope(f"boundary {before.key}>{group.key}"):
+                    x = sharding.constrain(x, axes.STREAM)
+            with jax.named_scope(f"layers {group.key}"):
+                x, _ = model.run_layers(x, positions, batch["segment_ids"], params["layers"][group.key])
+    with sharding.activate(mesh, placement.strategy):
+        return model.head_loss(x, batch["targets"], batch["loss_mask"], params)
 
 
 def _micro_batches(batch: dict, n: int, placement: Placement) -> dict:
@@ -85,6 +98,7 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1) -> Calla
     local = dataclasses.replace(placement, strategy=_drop_axes(placement.strategy, data),
                                 groups=tuple(dataclasses.replace(g, strategy=_drop_axes(g.strategy, data))
                                              for g in placement.groups))
+    local.structure  # noqa: B018  built (abstractly) here: the model's parameters cannot be declared inside the shard_map
     grad_fn = jax.value_and_grad(lambda p, b: loss_sums(local, p, b), has_aux=True)
     grad_specs = placement.grad_specs if placement.grad_specs is not None else placement.specs
     P = jax.sharding.PartitionSpec

@@ -84,7 +84,8 @@ def test_png_chart(capsys, tmp_path):
 
 IMPOSSIBLE = [
     # nothing fits: the nearest change that does
-    (["--model=llama2-70b", "--hardware=a100"], "nothing fits in 80.0 GB per a100", "nearest change that fits: --"),
+    # (the budget is what JAX takes: 75% of the a100's 80 GB)
+    (["--model=llama2-70b", "--hardware=a100"], "nothing fits in 60.0 GB per a100", "nearest change that fits: --"),
     # the batch is below dp × fsdp for every mesh (tiny has 4 heads, an odd sequence rules out sp)
     (["--model=tiny", "--devices=16", "--batch_size=1", "--seq_len=255"], "no mesh of 16 devices",
      "raise --batch_size to a multiple of 4"),

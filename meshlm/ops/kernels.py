@@ -1,0 +1,213 @@
+"""One attention entry point that runs the kernel each backend needs.
+
+    attention(q, k, v, q_positions=..., kv_positions=..., kernel="auto", platform="tpu", layout=...)
+
+Shapes and the masking rule are those of `meshlm.ops.attention`. The kernels:
+
+    dense      the reference: the [T, S] score matrix in memory (`attention.dot_product_attention`)
+    blockwise  flash-style online softmax in pure JAX (`attention.blockwise_attention`); any positions
+    splash     TPU: Pallas splash attention (`meshlm.ops.splash`), causal and segment-id masks, GQA
+    cudnn      GPU: cuDNN flash attention (`meshlm.ops.gpu`), causal, GQA; no packed documents
+    triton     GPU: the Pallas (Triton) flash kernel (`meshlm.ops.gpu`), causal and segment-id masks
+
+`auto` picks, for the platform the job runs on: TPU -> splash; GPU -> cudnn, or triton for packed
+documents or float32; CPU -> dense below `DENSE_BELOW` tokens, else blockwise. A kernel forced by name
+that cannot serve the call raises one `UsageError` line saying why. `auto` never raises: it falls back
+to the next kernel that can serve the call.
+
+The fused kernels (splash, cudnn, triton) mask by index, not by position: they serve causal
+self-attention whose positions increase along each document (as training and prefill give them).
+The blockwise kernel pads a length that its blocks do not divide (padded keys are masked, padded
+queries dropped), so no length falls back to the O(T^2) dense kernel; the fused kernels pad the same
+way (causality alone keeps the padding unseen).
+
+Pallas and cuDNN calls are not partitioned by XLA: under a mesh, `layout` names the mesh and the
+PartitionSpecs of q, k/v and the [B, T] segment ids, and the kernel runs in a `shard_map` over the
+batch and head axes (the length is never split here; RingAttention splits it). With
+`interpret=True` the Pallas kernels run in interpret mode and cudnn as its XLA twin, on any backend:
+how their numerics are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from meshlm.config import ATTENTION as KERNELS
+from meshlm.errors import UsageError
+from meshlm.ops import attention as attn
+
+DENSE_BELOW = 1024  # `auto` on CPU: dense attention below this many tokens, blockwise from here on
+BLOCK = 512  # the blockwise kernel's largest block (queries and keys)
+_HOME = {"splash": "tpu", "cudnn": "gpu", "triton": "gpu"}
+
+
+class Layout(NamedTuple):
+    """Where the arrays live: the mesh (or, inside a shard_map, its abstract mesh) and the specs of
+    q/out [B,T,H,D], k/v [B,S,KVH,D] and segment ids [B,T]. Their length entries must be None."""
+
+    mesh: object
+    q_spec: PartitionSpec
+    kv_spec: PartitionSpec
+    seq_spec: PartitionSpec
+
+
+class Call(NamedTuple):
+    """What decides whether a kernel can serve an attention call (all static)."""
+
+    platform: str  # "cpu", "gpu" or "tpu"
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    packed: bool  # segment ids given
+    causal: bool
+    interpret: bool = False
+
+
+def padded_length(t: int, max_block: int, align: int) -> tuple[int, int]:
+    """(padded length, block): the fewest blocks of at most `max_block` tokens, each a multiple of
+    `align`, that cover t tokens. E.g. 8000 -> (8192, 512), 1030 -> (1152, 384), 100 -> (128, 128)."""
+    n = max(1, math.ceil(t / max_block))
+    block = math.ceil(math.ceil(t / n) / align) * align
+    return n * block, block
+
+
+def why_not(kernel: str, call: Call) -> str | None:
+    """Why `kernel` cannot serve `call` (the end of a sentence that starts with its flag), or None."""
+    if kernel in ("dense", "blockwise"):
+        return None
+    home = _HOME[kernel]
+    if call.platform != home and not call.interpret:
+        return f"runs on {home.upper()} only and this job runs on {call.platform.upper()}"
+    if not call.causal or call.q_len != call.kv_len:
+        return "serves causal self-attention only (queries and keys of one length)"
+    if kernel == "cudnn":
+        if call.packed:
+            return "cannot mask packed documents (segment ids); --attention=triton can"
+        if call.dtype not in ("bfloat16", "float16"):
+            return f"needs bfloat16 or float16 activations, not {call.dtype}: set --dtype=bfloat16"
+        if call.head_dim % 8 or call.head_dim > 128:
+            return f"needs a head_dim that is a multiple of 8 and at most 128, not {call.head_dim}"
+    if kernel == "triton" and call.head_dim > 256:
+        return f"needs a head_dim of at most 256, not {call.head_dim}"
+    return None
+
+
+def choose(kernel: str, call: Call) -> str:
+    """The kernel that runs `call`: `kernel` itself if it can serve it (else one UsageError line), or
+    for `auto` the first of the platform's kernels that can, then dense or blockwise."""
+    if kernel not in KERNELS:
+        raise UsageError(f"--attention={kernel!r}: choose one of {', '.join(KERNELS)}")
+    if kernel != "auto":
+        if reason := why_not(kernel, call):
+            raise UsageError(f"--attention={kernel} {reason}; or use --attention=auto")
+        return kernel
+    preferred = {"tpu": ("splash",), "gpu": ("cudnn", "triton")}.get(call.platform, ())
+    for name in preferred:
+        if why_not(name, call) is None:
+            return name
+    return "dense" if call.q_len < DENSE_BELOW else "blockwise"
+
+
+def default_platform() -> str:
+    """The platform of the devices JAX runs on here ("cpu", "gpu" or "tpu")."""
+    return jax.devices()[0].platform
+
+
+# --------------------------------------------------------------------------------------------
+# The call
+# --------------------------------------------------------------------------------------------
+
+
+def attention(
+    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True,
+    kernel: str = "auto", platform: str | None = None, layout: Layout | None = None, interpret: bool = False,
+):  # fmt: skip
+    """Attention by the kernel `choose` picks for `platform` (default: where JAX runs): [B,T,H,D] out.
+
+    See the module docstring; the fused kernels read only `q_segment_ids` (self-attention) and no
+    positions. `layout`: the arrays' mesh and specs, for the kernels XLA cannot partition."""
+    attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    call = Call(
+        platform=platform or default_platform(), q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[3],
+        dtype=jnp.dtype(q.dtype).name, packed=q_segment_ids is not None, causal=bool(causal), interpret=interpret,
+    )  # fmt: skip
+    name = choose(kernel, call)
+    kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+              kv_segment_ids=kv_segment_ids, causal=causal)  # fmt: skip
+    if name == "dense":
+        return attn.dot_product_attention(q, k, v, **kw)
+    if name == "blockwise":
+        return padded_blockwise(q, k, v, **kw)
+    return _fused(name, q, k, v, q_segment_ids, layout, interpret)
+
+
+def padded_blockwise(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True):
+    """`blockwise_attention` on lengths padded to whole blocks of at most BLOCK tokens: padded keys get
+    position -1 (masked), padded queries are dropped from the output."""
+    t, s = q.shape[1], k.shape[1]
+    (tp, bq), (sp, bk) = padded_length(t, BLOCK, 128), padded_length(s, BLOCK, 128)
+    if t <= BLOCK:
+        tp, bq = t, t  # one block: no padding needed
+    if s <= BLOCK:
+        sp, bk = s, s
+    q, q_positions, q_segment_ids = (_pad(x, tp, 0) for x in (q, q_positions, q_segment_ids))
+    k, v, kv_segment_ids = (_pad(x, sp, 0) for x in (k, v, kv_segment_ids))
+    kv_positions = _pad(kv_positions, sp, -1)
+    out = attn.blockwise_attention(
+        q, k, v, q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, causal=causal, block_q=bq, block_kv=bk,
+    )  # fmt: skip
+    return out[:, :t]
+
+
+def _pad(x, length: int, value):
+    """x [B, T, ...] padded with `value` to `length` along T (None stays None)."""
+    if x is None or x.shape[1] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, length - x.shape[1])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool):
+    """Run one of the fused kernels on lengths padded to its blocks, per shard under a mesh."""
+    if name == "splash":
+        from meshlm.ops.splash import MAX_BLOCK, splash_attention as kernel
+
+        tp, block = padded_length(q.shape[1], MAX_BLOCK, 128)
+    elif name == "triton":
+        from meshlm.ops.gpu import TRITON_BLOCK, triton_attention as kernel
+
+        tp, block = padded_length(q.shape[1], TRITON_BLOCK, TRITON_BLOCK)
+    else:
+        from meshlm.ops.gpu import cudnn_attention as kernel
+
+        tp, block = q.shape[1], None
+    # Causal masking keeps the padded keys (after every real query) unseen; padded queries are dropped.
+    t = q.shape[1]
+    q, k, v, segment_ids = (_pad(x, tp, 0) for x in (q, k, v, segment_ids))
+
+    def local(q, k, v, segment_ids=None):
+        return kernel(q, k, v, segment_ids, block=block, interpret=interpret)
+
+    if layout is None or all(e is None for e in (*layout.q_spec, *layout.kv_spec)):
+        return local(q, k, v, segment_ids)[:, :t]
+    q_spec, kv_spec = layout.q_spec, layout.kv_spec
+    if tuple(q_spec)[2:3] != tuple(kv_spec)[2:3]:
+        # Query heads split where kv heads are not: give each shard its query heads' own kv heads.
+        group = q.shape[2] // k.shape[2]
+        k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+        kv_spec = q_spec
+    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if segment_ids is not None:
+        args.append(segment_ids)
+        specs.append(layout.seq_spec)
+    # Pallas calls declare no varying mesh axes for their outputs: check_vma cannot type them.
+    sharded = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)
+    return sharded(*args)[:, :t]

@@ -1,0 +1,145 @@
+"""The attention dispatch: which kernel each backend gets, the one-line refusals of a forced kernel,
+lengths padded instead of a silent dense fallback, and the GPU kernels' numerics (Triton in Pallas
+interpret mode, cuDNN's call as its XLA twin) and a sharded fused kernel, against the blockwise one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshlm.config import TrainConfig
+from meshlm.errors import UsageError
+from meshlm.ops import attention as attn
+from meshlm.ops import gpu, kernels
+from meshlm.ops.kernels import Call, choose
+from tests.ops.test_splash import ATOL, _problem, _value_and_grads
+
+
+def _call(platform, t=4096, dtype="bfloat16", packed=False, head_dim=128, causal=True):
+    return Call(platform=platform, q_len=t, kv_len=t, head_dim=head_dim, dtype=dtype, packed=packed, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (_call("tpu"), "splash"),
+        (_call("tpu", packed=True, dtype="float32", t=100), "splash"),
+        (_call("gpu"), "cudnn"),
+        (_call("gpu", packed=True), "triton"),  # cuDNN's public call has no packed documents
+        (_call("gpu", dtype="float32"), "triton"),  # cuDNN needs 16-bit activations
+        (_call("cpu", t=512), "dense"),
+        (_call("cpu", t=1100), "blockwise"),
+        (_call("tpu", causal=False), "blockwise"),  # the fused kernels serve causal self-attention only
+    ],
+)
+def test_auto_picks_the_backends_kernel(call, expected):
+    assert choose("auto", call) == expected
+
+
+@pytest.mark.parametrize(
+    "kernel, call, words",
+    [
+        ("splash", _call("cpu"), "runs on TPU only"),
+        ("triton", _call("tpu"), "runs on GPU only"),
+        ("cudnn", _call("gpu", packed=True), "cannot mask packed documents"),
+        ("cudnn", _call("gpu", dtype="float32"), "set --dtype=bfloat16"),
+        ("cudnn", _call("gpu", head_dim=192), "head_dim"),
+        ("flash", _call("gpu"), "choose one of auto"),
+    ],
+)
+def test_forced_kernel_that_cannot_serve_says_so_in_one_line(kernel, call, words):
+    with pytest.raises(UsageError) as e:
+        choose(kernel, call)
+    assert words in str(e.value) and "--attention=" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_forced_kernels_that_can_serve_are_kept():
+    assert choose("blockwise", _call("tpu")) == "blockwise"
+    assert choose("dense", _call("gpu")) == "dense"
+    assert choose("splash", _call("tpu", packed=True)) == "splash"
+
+
+def test_flag_is_checked_with_the_precision_flags():
+    with pytest.raises(UsageError, match="--attention='flash': choose one of auto"):
+        TrainConfig(attention="flash").validate()
+
+
+def test_padded_length():
+    assert kernels.padded_length(8192, 512, 128) == (8192, 512)
+    assert kernels.padded_length(8000, 512, 128) == (8192, 512)
+    assert kernels.padded_length(1030, 512, 128) == (1152, 384)
+    assert kernels.padded_length(100, 512, 128) == (128, 128)
+
+
+def test_long_length_off_the_block_is_padded_not_dense(monkeypatch):
+    """T >= 1024 with T % 512 != 0 runs blockwise on padded blocks (never the O(T^2) kernel), same
+    value and gradients as the dense reference."""
+    q, k, v, pos, seg, dout = _problem([[600, 500], [1100]], heads=2, kv_heads=1, head_dim=16)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    ref = _value_and_grads(lambda q, k, v: attn.dot_product_attention(q, k, v, **kw), q, k, v, dout)
+
+    def no_dense(*a, **k):
+        raise AssertionError("dense attention at T=1100")
+
+    monkeypatch.setattr(attn, "dot_product_attention", no_dense)
+    got = _value_and_grads(lambda q, k, v: kernels.attention(q, k, v, **kw, platform="cpu"), q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+
+
+def test_triton_equals_blockwise_in_interpret_mode():
+    """The Pallas GPU kernel (packed documents, grouped queries via repeated kv heads, padding)."""
+    q, k, v, pos, seg, dout = _problem([[90, 60, 50], [150, 50]])
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    ref = _value_and_grads(lambda q, k, v: attn.blockwise_attention(q, k, v, **kw, block_q=200, block_kv=200),
+                           q, k, v, dout)  # fmt: skip
+    got = _value_and_grads(
+        lambda q, k, v: kernels.attention(q, k, v, **kw, kernel="triton", platform="gpu", interpret=True),
+        q, k, v, dout,
+    )  # fmt: skip
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+
+
+def test_cudnn_call_equals_blockwise():
+    """The arguments given to cuDNN's call (causal, GQA, scale), checked through its XLA twin."""
+    q, k, v, pos, _, dout = _problem([[128], [128]])
+    pos = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), pos.shape)
+    ref = _value_and_grads(
+        lambda q, k, v: attn.blockwise_attention(q, k, v, q_positions=pos, kv_positions=pos), q, k, v, dout
+    )
+    got = _value_and_grads(lambda q, k, v: gpu.cudnn_attention(q, k, v, interpret=True), q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+    # Through the dispatch in bfloat16, the dtype cuDNN takes.
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out = kernels.attention(*bf, q_positions=pos, kv_positions=pos, kernel="cudnn", platform="gpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0]), atol=0.05)
+
+
+@pytest.mark.parametrize("kv_heads_split", [True, False], ids=["kv_heads_split", "kv_heads_whole"])
+def test_fused_kernel_runs_per_shard_on_a_mesh(kv_heads_split):
+    """Under jit on a (fsdp=4, tp=2) mesh the fused kernel runs in a shard_map over batch and heads;
+    with kv heads left whole while query heads split, each shard gets its own kv heads."""
+    q, k, v, pos, seg, dout = _problem([[60, 68]] * 4, heads=4, kv_heads=2, head_dim=16)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
+    layout = kernels.Layout(
+        mesh, P("fsdp", None, "tp", None), P("fsdp", None, "tp" if kv_heads_split else None, None), P("fsdp", None)
+    )
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    ref = _value_and_grads(lambda q, k, v: attn.dot_product_attention(q, k, v, **kw), q, k, v, dout)
+    place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    q, dout = place(q, layout.q_spec), place(dout, layout.q_spec)
+    k, v = place(k, layout.kv_spec), place(v, layout.kv_spec)
+
+    @jax.jit
+    def run(q, k, v, dout):
+        fn = lambda q, k, v: kernels.attention(  # noqa: E731
+            q, k, v, **kw, kernel="splash", platform="tpu", layout=layout, interpret=True
+        )
+        return _value_and_grads(fn, q, k, v, dout)
+
+    got = run(q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
