@@ -79,7 +79,7 @@ def run_maxtext(python: Path, run: str, workdir: Path) -> list[float]:
         f"base_emb_dim={d}", f"base_num_query_heads={heads}", f"base_num_kv_heads={heads}", f"base_mlp_dim={mlp}",
         f"base_num_decoder_layers={layers}", f"head_dim={hd}", f"vocab_size={vocab}", f"max_target_length={seq}",
         f"per_device_batch_size={batch // devices}", f"ici_data_parallelism={dp}", f"ici_fsdp_parallelism={fsdp}",
-        f"ici_tensor_parallelism={tp}", "skip_jax_distributed_system=True", f"run_name={run.replace(',', '_')}",
+        f"ici_tensor_parallelism={tp}", "skip_jax_distributed_system=True", f"run_name=mesh-{run.replace(',', 'x')}",
         f"base_output_directory={workdir}",
     ]
     out = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train", *args], capture_output=True, text=True,

@@ -62,7 +62,7 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--model.{name}={getattr(self, name)} must be a positive integer")
         if self.loss_chunk < 0:
-            raise UsageError(f"--model.loss_chunk={self.loss_chunk}: give positions per loss chunk (> 0), or 0 for none")
+            raise UsageError(f"--model.loss_chunk={self.loss_chunk}: give positions per loss chunk, or 0 for none")
         if self.n_heads % self.n_kv_heads:
             raise UsageError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "

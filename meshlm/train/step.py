@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshlm import axes, sharding
+from meshlm import sharding
+from meshlm.axes import STREAM
 from meshlm.errors import UsageError
 from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
 from meshlm.models.placement import Placement
@@ -43,7 +44,7 @@ def loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array
         with sharding.activate(mesh, group.strategy):
             if before is not None:
                 with jax.named_scope(f"boundary {before.key}>{group.key}"):
-                    x = sharding.constrain(x, axes.STREAM)
+                    x = sharding.constrain(x, STREAM)
             with jax.named_scope(f"layers {group.key}"):
                 x, _ = model.run_layers(x, positions, batch["segment_ids"], params["layers"][group.key])
     with sharding.activate(mesh, placement.strategy):
@@ -98,7 +99,7 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1) -> Calla
     local = dataclasses.replace(placement, strategy=_drop_axes(placement.strategy, data),
                                 groups=tuple(dataclasses.replace(g, strategy=_drop_axes(g.strategy, data))
                                              for g in placement.groups))
-    local.structure  # noqa: B018  built (abstractly) here: the model's parameters cannot be declared inside the shard_map
+    local.structure  # noqa: B018  built (abstractly) here: no parameter can be declared inside the shard_map
     grad_fn = jax.value_and_grad(lambda p, b: loss_sums(local, p, b), has_aux=True)
     grad_specs = placement.grad_specs if placement.grad_specs is not None else placement.specs
     P = jax.sharding.PartitionSpec

@@ -110,7 +110,8 @@ def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference,
                                                                                put_batch(placement, batch, perm))
     np.testing.assert_allclose(float(nll / count), want, rtol=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def _step_temp_bytes(loss_chunk: int, rows: int = 8, seq: int = 256) -> int:
