@@ -105,12 +105,17 @@ class Placement:
         """The model without weights (abstract): its parts run on parameter trees given to them."""
         return nnx.eval_shape(lambda: _build(self.cfg, 0))
 
-    def _apply_groups(self, params, tokens, positions, segment_ids):
-        """Embedding and head under the main strategy; each layer group scanned under its own. At a
-        boundary the residual stream moves from one group's layout to the next one's (XLA reshards it)."""
+    def stream(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None) -> jax.Array:
+        """The residual stream [B, T, E] after the last layer (embedding and layers, not the head).
+
+        The embedding runs under the main strategy; without layer groups the layers do too, with them
+        each group is scanned under its own strategy, and at a boundary the stream moves from one
+        group's layout to the next one's (XLA reshards it). Call under jit."""
         model = self.structure
         with sharding.activate(self.mesh, self.strategy):
             x, positions = model.embed_tokens(tokens, positions, params)
+            if not self.groups:
+                return model.run_layers(x, positions, segment_ids, params["layers"])[0]
         for before, group in zip((None, *self.groups), self.groups):
             with sharding.activate(self.mesh, group.strategy):
                 if before is not None:  # the residual stream moves to this group's layout here
@@ -118,8 +123,13 @@ class Placement:
                         x = sharding.constrain(x, axes.STREAM)
                 with jax.named_scope(f"layers {group.key}"):
                     x, _ = model.run_layers(x, positions, segment_ids, params["layers"][group.key])
+        return x
+
+    def _apply_groups(self, params, tokens, positions, segment_ids):
+        """Logits with per-layer-range strategies: `stream`, then the head under the main strategy."""
+        x = self.stream(params, tokens, positions, segment_ids)
         with sharding.activate(self.mesh, self.strategy):
-            return model.head(x, params)
+            return self.structure.head(x, params)
 
     def decode(self, params: Any, tokens, positions, cache_k, cache_v):
         """One cached decode step (see `Llama.decode`), laid out by the strategy's decoding variant."""

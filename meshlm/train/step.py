@@ -21,7 +21,6 @@ import numpy as np
 import optax
 
 from meshlm import sharding
-from meshlm.axes import STREAM
 from meshlm.errors import UsageError
 from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
 from meshlm.models.placement import Placement
@@ -35,20 +34,9 @@ def loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array
     """(sum of token losses, number of counted tokens) for one (micro-)batch. The model runs as
     `Placement.apply` runs it, but the head and the loss run as one (`Llama.head_loss`): the logits are
     computed `cfg.loss_chunk` positions at a time and never held for the whole batch."""
-    model, mesh = placement.structure, placement.mesh
-    with sharding.activate(mesh, placement.strategy):
-        x, positions = model.embed_tokens(batch["inputs"], batch["positions"], params)
-        if not placement.groups:
-            x, _ = model.run_layers(x, positions, batch["segment_ids"], params["layers"])
-    for before, group in zip((None, *placement.groups), placement.groups):  # as Placement._apply_groups
-        with sharding.activate(mesh, group.strategy):
-            if before is not None:
-                with jax.named_scope(f"boundary {before.key}>{group.key}"):
-                    x = sharding.constrain(x, STREAM)
-            with jax.named_scope(f"layers {group.key}"):
-                x, _ = model.run_layers(x, positions, batch["segment_ids"], params["layers"][group.key])
-    with sharding.activate(mesh, placement.strategy):
-        return model.head_loss(x, batch["targets"], batch["loss_mask"], params)
+    x = placement.stream(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+    with sharding.activate(placement.mesh, placement.strategy):
+        return placement.structure.head_loss(x, batch["targets"], batch["loss_mask"], params)
 
 
 def _micro_batches(batch: dict, n: int, placement: Placement) -> dict:
