@@ -300,10 +300,11 @@ def run(command: str, argv: list[str], cluster: Cluster, work: Callable[[bool], 
 def run_here(cluster: Cluster, work: Callable[[bool], Any], local_devices: int | None, connect_timeout: float = 60.0):
     """`work(main)` in this process, after joining the cluster: an error in any process is one line and
     ends them all, and a process that dies stops the others within the cluster's peer timeout.
-    `local_devices`: this process's simulated CPU devices (`--devices`), set before JAX starts."""
-    from meshlm.platform import configure_devices
+    `local_devices`: this process's simulated CPU devices (`--devices`), set before JAX starts together
+    with the rest of the runtime (`meshlm.platform.configure_runtime`: XLA flags, compilation cache)."""
+    from meshlm.platform import configure_runtime
 
-    configure_devices(local_devices)
+    configure_runtime(local_devices)
     initialize(cluster, connect_timeout=connect_timeout)
     if not cluster.multi_process:
         return work(True)

@@ -48,9 +48,7 @@ def run_in_cluster(command: str, argv: list[str], args, work: Callable[[bool], i
     """`work(main)` here alone, or in each of the processes the flags or the cluster's environment name
     (`meshlm.distributed.run`)."""
     from meshlm import distributed
-    from meshlm.platform import configure_runtime
 
-    configure_runtime(args.devices)  # XLA flags and the compilation cache, before JAX starts
     cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id, args.peer_timeout)
     return distributed.run(command, argv, cluster, work, args.devices, connect_timeout=args.connect_timeout)
 

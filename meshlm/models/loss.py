@@ -56,20 +56,21 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
     in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
     cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
     and in the weights' own dtype. In float32 this is plain autodiff of one matmul."""
-    if x.dtype == jnp.float32:
-        logits = jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
-    else:
-        logits = _compute_dtype_logits(x, weights)
+    logits = _logits(x, weights) if x.dtype == jnp.float32 else _compute_dtype_logits(x, weights)
     return sharding.constrain(logits, axes.LOGITS)
+
+
+def _logits(x, weights):
+    return jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
 def _compute_dtype_logits(x, weights):
-    return jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
+    return _logits(x, weights)
 
 
 def _logits_fwd(x, weights):
-    return _compute_dtype_logits(x, weights), (x, weights)
+    return _logits(x, weights), (x, weights)
 
 
 def _logits_bwd(saved, g):

@@ -18,9 +18,6 @@ from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, check_shape_fits
 from meshlm.models.configs import ModelConfig
 
-# meshlm.models.llama.attend switches from dense to blockwise (flash) attention at this length when
-# the sequence is not split; with sp > 1 attention is RingAttention.
-BLOCKWISE_MIN_LEN, BLOCKWISE_MULTIPLE = 1024, 512
 
 
 @dataclass(frozen=True)
@@ -159,11 +156,13 @@ class Local:
 
     @cached_property
     def attention(self) -> str:
-        """'ring', 'blockwise' or 'dense': which kernel `meshlm.models.llama.attend` picks."""
+        """'ring', 'blockwise' or 'dense': which kernel `meshlm.models.llama.attend` picks on CPU
+        (`meshlm.ops.kernels.choose` for --attention=auto; a length off the blocks is padded)."""
+        from meshlm.ops.kernels import DENSE_BELOW
+
         if self.shape.sp > 1:
             return "ring"
-        t = self.job.seq_len
-        return "blockwise" if t >= BLOCKWISE_MIN_LEN and t % BLOCKWISE_MULTIPLE == 0 else "dense"
+        return "blockwise" if self.job.seq_len >= DENSE_BELOW else "dense"
 
     # Weight elements of one layer, in this device's tp shard (before fsdp sharding).
     @property

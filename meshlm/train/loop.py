@@ -46,10 +46,8 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     With several processes (the cluster flags or a cluster's environment) this process joins the
     others first; an error in any of them is one line and ends them all."""
     from meshlm import distributed
-    from meshlm.platform import configure_runtime
 
     cfg.validate()
-    configure_runtime(cfg.devices)  # XLA flags and the compilation cache, before JAX starts
     cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
     return distributed.run_here(cluster, lambda _main: _train(cfg, console), cfg.devices, cfg.connect_timeout)
 
