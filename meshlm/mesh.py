@@ -197,7 +197,8 @@ def check_shape_fits(
     # RingAttention balances causal work by giving each sp rank two of 2×sp equal chunks (zigzag order).
     if shape.sp > 1 and seq_len % (2 * shape.sp):
         return f"seq_len {seq_len} is not divisible by 2×sp = {2 * shape.sp} (each ring rank holds two chunks)"
-    for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("mlp_dim", mlp_dim), ("vocab_size", vocab_size)):
+    # kv heads need not divide: with tp larger than them each rank holds a copy of the one its queries use.
+    for name, value in (("n_heads", n_heads), ("mlp_dim", mlp_dim), ("vocab_size", vocab_size)):
         if value % shape.tp:
             return f"{name} = {value} is not divisible by tp = {shape.tp}"
     return None

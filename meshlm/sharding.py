@@ -106,6 +106,39 @@ def spec_divides(spec: P, shape: Sequence[int], mesh: Mesh) -> str | None:
 # --------------------------------------------------------------------------------------- parameters
 
 
+def _ways(entry: MeshAxes, mesh: Mesh) -> int:
+    return math.prod(mesh.shape.get(a, 1) for a in _as_tuple(entry))
+
+
+def replicate_short_kv_heads(spec: P, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+    """`spec` with the `kv_heads` dimension whole where its mesh axes do not divide it (tp larger than a
+    grouped-query model's kv heads): each device then holds every kv head's projection and the model
+    repeats the heads it needs (`kv_head_copies`). Any other dimension is left for `spec_divides` to judge."""
+    entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
+    for dim, name in enumerate(logical):
+        if name == "kv_heads" and shape[dim] % _ways(entries[dim], mesh):
+            entries[dim] = None
+    return P(*entries)
+
+
+def kv_head_copies(n_kv_heads: int, n_heads: int) -> int:
+    """How many copies of each kv head the active layout needs so that keys and values split over the
+    `kv_heads` mesh axes as evenly as the queries do: 1 when those axes divide the kv heads (or outside
+    `activate`), else the fewest copies that make them divide (tp = 8 on 2 kv heads: 4 copies, one per
+    tp rank; how vLLM and others run such models)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    ways = _ways(activation_spec(("kv_heads",))[0], active.mesh)
+    if n_kv_heads % ways == 0:
+        return 1
+    copies = math.lcm(n_kv_heads, ways) // n_kv_heads
+    if n_heads % (n_kv_heads * copies):
+        raise UsageError(f"{n_heads} query heads do not split over the {ways} ways the mesh splits heads; "
+                         f"choose a tp that divides {n_heads}")
+    return copies
+
+
 def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any | None = None,
                 what: str = "params") -> Any:
     """Pytree of logical PartitionSpecs (from `nnx.get_partition_spec`) -> pytree of mesh PartitionSpecs,
@@ -113,6 +146,8 @@ def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any 
 
     def one(path, logical, shape=None):
         spec = logical_to_spec(tuple(logical), strategy.table(what), mesh)
+        if shape is not None:
+            spec = replicate_short_kv_heads(spec, tuple(logical), shape, mesh)
         if shape is not None and (problem := spec_divides(spec, shape, mesh)):
             raise UsageError(f"parameter {jax.tree_util.keystr(path)} {tuple(shape)}: {problem}; choose another mesh_dim")
         return spec

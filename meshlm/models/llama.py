@@ -113,8 +113,12 @@ class Attention(nnx.Module):
         k = jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt))
         v = jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt))
         q = sharding.constrain(apply_rope(q, positions, inv_freq), axes.QUERIES)
-        k = sharding.constrain(apply_rope(k, positions, inv_freq), axes.KEYS)
-        v = sharding.constrain(v, axes.KEYS)
+        k = apply_rope(k, positions, inv_freq)
+        # More tp ranks than kv heads: each rank gets its own copy of the kv head its queries use
+        # (the projections are whole on every rank then; see `sharding.replicate_short_kv_heads`).
+        if (copies := sharding.kv_head_copies(cfg.n_kv_heads, cfg.n_heads)) > 1:
+            k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
+        k, v = sharding.constrain(k, axes.KEYS), sharding.constrain(v, axes.KEYS)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))
         if cache is None:
             out = attend(q, k, v, positions, segment_ids, kernel=self.cfg.attention)

@@ -141,6 +141,13 @@ class Placement:
         spec = sharding.logical_to_spec(axes.KV_CACHE, self.strategy.activations, self.mesh)
         return jax.sharding.NamedSharding(self.mesh, spec)
 
+    def cache_heads(self) -> int:
+        """kv heads in one layer's KV cache: the model's, times the copies the decode layout needs when
+        tp is larger than the kv heads (`sharding.kv_head_copies`)."""
+        cfg = self.cfg
+        with sharding.activate(self.mesh, sharding.for_decoding(self.strategy)):
+            return cfg.n_kv_heads * sharding.kv_head_copies(cfg.n_kv_heads, cfg.n_heads)
+
     def param_bytes_per_device(self) -> int:
         total = 0
         for shape, sh in zip(jax.tree.leaves(self.shapes), jax.tree.leaves(self.shardings)):

@@ -9,6 +9,8 @@ the `--pipeline_schedule`, `--microbatches` and `--virtual_stages` the job uses 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -144,7 +146,8 @@ class Local:
 
     @property
     def kv_heads(self) -> int:
-        return self.cfg.n_kv_heads // self.shape.tp
+        """kv heads on one tp rank: at least one (tp larger than the kv heads gives each rank a copy)."""
+        return math.lcm(self.cfg.n_kv_heads, self.shape.tp) // self.shape.tp
 
     @property
     def mlp(self) -> int:
@@ -168,7 +171,8 @@ class Local:
     @property
     def w_qkv(self) -> int:
         c = self.cfg
-        return c.d_model * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim // self.shape.tp
+        kv = c.n_kv_heads // self.shape.tp if c.n_kv_heads % self.shape.tp == 0 else c.n_kv_heads  # else whole
+        return c.d_model * (c.n_heads // self.shape.tp + 2 * kv) * c.head_dim
 
     @property
     def w_out(self) -> int:

@@ -133,7 +133,7 @@ def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | Non
                 "change --microbatches, --batch_size or the devices")
     # Every mesh failed: the cheapest fix is usually a batch that covers the data axes.
     c = job.cfg
-    model_parallel = max(math.gcd(job.n_devices, math.gcd(c.n_heads, math.gcd(c.n_kv_heads, math.gcd(c.mlp_dim, c.vocab_size)))), 1)
+    model_parallel = max(math.gcd(job.n_devices, math.gcd(c.n_heads, math.gcd(c.mlp_dim, c.vocab_size))), 1)
     need = max(1, job.n_devices // model_parallel) * job.grad_accum
     return (f"no mesh of {job.n_devices} devices can run this job (e.g. {next(iter(rejected.values()))}); "
             f"raise --batch_size to a multiple of {need}, or use fewer --devices")

@@ -99,11 +99,11 @@ class Steps:
 
     def _empty_state(self) -> DecodeState:
         cfg, B, S = self.cfg, self.max_batch, self.max_seq_len
-        cache = self.placement.cache_sharding()
+        cache, heads = self.placement.cache_sharding(), self.placement.cache_heads()
         small = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
         def zeros():
-            return jax.jit(lambda: jnp.zeros((B, S, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
+            return jax.jit(lambda: jnp.zeros((B, S, heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
                            out_shardings=cache)()
 
         host = (np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32), SlotSampling.empty(B))

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import AXES
-from meshlm.sharding import MeshAxes, Strategy, as_tuple, logical_to_spec, spec_divides
+from meshlm.sharding import MeshAxes, Strategy, as_tuple, logical_to_spec, replicate_short_kv_heads, spec_divides
 
 MESH_AXES = (*AXES, "pp")
 WHAT = ("params", "grads", "opt_state")
@@ -256,7 +256,8 @@ def resolve(logical: dict[str, tuple], shapes: dict[str, tuple], strategy_of: Ca
             source, culprit = rule.label, f"{rule.label} gives parameter {path}"
         else:
             for w in WHAT:
-                specs[w][path] = logical_to_spec(names, strategy.table(w), mesh)
+                specs[w][path] = replicate_short_kv_heads(logical_to_spec(names, strategy.table(w), mesh),
+                                                          names, shape, mesh)
             culprit = f"parameter {path} under {source}"
         for w in WHAT:
             if problem := spec_divides(specs[w][path], shape, mesh):
