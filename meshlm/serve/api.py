@@ -15,17 +15,30 @@ request cancelled in the engine, which frees its batch slot at once. At shutdown
 running after a grace period end with 503 "shutting down" (a stream: an error event) rather than a
 cut connection.
 
-Extensions to the OpenAI parameters: `top_k` (0 = off). Parameters this server does not implement
-(penalties, logprobs, ...) are ignored, except `n`, which must be 1.
+Completions take a prompt as a string, a list of strings, a list of token ids or a list of such lists
+(run together in the engine's batch, choices in prompt order), `echo`, and `logprobs` (the k likeliest
+alternatives per token, OpenAI's `tokens`/`token_logprobs`/`top_logprobs`/`text_offset`);
+`max_tokens: 0` with `echo` scores the prompt only. Chat takes `logprobs: true` and `top_logprobs`.
+Log-probabilities come from `meshlm.serve.scoring.Scorer`. `null` means the default wherever OpenAI
+accepts it. Extensions to the OpenAI parameters: `top_k` (0 = off). Parameters this server does not
+implement (penalties, ...) are ignored, except `n`, which must be 1.
+
+Connections must send a request's head within 10 s and its body within 30 s (api_timeouts); a body
+announced over the limit is refused before it is read, and a prompt far over the context before it
+is tokenized.
 
 This module is the API's entry point; its parts, each in its own module:
 
-    api_schemas     the request bodies (types, ranges, text)
-    api_errors      refusals as OpenAI-style error bodies
-    api_middleware  the API key and the body size limit (plain ASGI)
-    api_replies     whole and streamed (server-sent events) replies, cancelling on hang-up
-    api_routes      the app: routes, error handlers, `create_app`
-    api_server      the socket, the uvicorn server, shutdown and signals: `bind`, `make_server`, `serve`
+    api_schemas      the request bodies (types, ranges, text, nulls)
+    api_errors       refusals as OpenAI-style error bodies
+    api_middleware   the API key and the body size limit (plain ASGI)
+    api_prompts      prompts to engine requests: tokenizing, fitting in the context
+    api_completions  the two generation endpoints: batches of prompts, echo, log-probabilities
+    api_logprobs     log-probabilities in OpenAI's shapes
+    api_replies      whole and streamed (server-sent events) replies, cancelling on hang-up
+    api_routes       the app: routes, error handlers, `create_app`
+    api_timeouts     deadlines for a request's head and body (uvicorn's h11 protocol)
+    api_server       the socket, the uvicorn server, shutdown and signals: `bind`, `make_server`, `serve`
 """
 
 from __future__ import annotations

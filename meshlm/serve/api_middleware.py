@@ -15,16 +15,18 @@ from meshlm.serve.api_errors import APIError
 
 
 class RequireApiKey:
-    """`/v1/*` only with `Authorization: Bearer <api_key>`; the page and /health stay open."""
+    """`/v1/*` only with `Authorization: Bearer <api_key>` (the scheme's case does not matter, as
+    HTTP has it); the page and /health stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            right_key = hmac.compare_digest(given.strip(), self.expected)
+            if not (right_key and scheme.lower() == b"bearer"):
                 error = APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
                                  code="invalid_api_key")
                 await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
@@ -38,14 +40,9 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class LimitBody:
-    """413 for a body over `limit` bytes, whether announced by Content-Length or found while reading.
-
-    The rest of an oversized body is read and dropped before answering (up to `_DRAIN_LIMIT`): a server
-    that answers and closes while the client is still sending resets the connection, and the client
-    then sees a broken pipe instead of the 413.
-    """
-
-    _DRAIN_LIMIT = 64 << 20
+    """413 for a body over `limit` bytes: at once when Content-Length announces it, and as soon as a
+    body sent without one (chunked) goes past the limit. Nothing more of it is read into memory: the
+    HTTP server discards what the client still sends after the answer."""
 
     def __init__(self, app: ASGIApp, limit: int):
         self.app, self.limit = app, limit
@@ -56,7 +53,6 @@ class LimitBody:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await self._drain(receive)
             response = APIError(413, BodyTooLarge(self.limit).detail, code="request_too_large").response()
             await response(scope, receive, send)
             return
@@ -69,20 +65,10 @@ class LimitBody:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    if message.get("more_body"):
-                        await self._drain(receive)
                     raise BodyTooLarge(self.limit)  # an HTTPException, so the app answers it
             return message
 
         await self.app(scope, receive_within_limit, send)
-
-    async def _drain(self, receive: Receive) -> None:
-        drained = 0
-        while drained < self._DRAIN_LIMIT:
-            message = await receive()
-            if message["type"] != "http.request" or not message.get("more_body"):
-                return
-            drained += len(message.get("body", b""))
 
 
 __all__ = ["RequireApiKey", "LimitBody", "BodyTooLarge"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
@@ -27,12 +28,17 @@ def usage(handle) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def completion_choice(text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
@@ -47,25 +53,48 @@ def chat_opening() -> dict:
 
 async def reply_or_hang_up(request: Request, handle) -> tuple[str, str] | None:
     """The whole reply and its finish reason; None if the client hung up first (the engine is told)."""
-    parts: list[str] = []
-    finish_reason = None
+    replies = await replies_or_hang_up(request, [handle])
+    return None if replies is None else (replies[0].text, replies[0].finish_reason)
+
+
+@dataclass
+class Reply:
+    """One request's whole reply: its text, the tokens generated, why it ended."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def replies_or_hang_up(request: Request, handles: list) -> list[Reply] | None:
+    """The whole replies of requests running together (in order); None if the client hung up first,
+    in which case every request still running is cancelled."""
+    replies = [Reply() for _ in handles]
 
     async def cancel_on_disconnect(scope: anyio.CancelScope) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         scope.cancel()
 
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(cancel_on_disconnect, tasks.cancel_scope)
+    async def collect(handle, reply: Reply) -> None:
+        parts = []
         try:
             async for event in handle:
                 parts.append(event.text)
-                finish_reason = event.finish_reason or finish_reason
+                reply.token_ids += event.token_ids
+                reply.finish_reason = event.finish_reason or reply.finish_reason
         finally:
-            if finish_reason is None:
+            reply.text = "".join(parts)
+            if reply.finish_reason is None:
                 handle.cancel()
-        tasks.cancel_scope.cancel()
-    return None if finish_reason is None else ("".join(parts), finish_reason)
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(cancel_on_disconnect, outer.cancel_scope)
+        async with anyio.create_task_group() as tasks:
+            for handle, reply in zip(handles, replies):
+                tasks.start_soon(collect, handle, reply)
+        outer.cancel_scope.cancel()
+    return None if any(r.finish_reason is None for r in replies) else replies
 
 
 def sse(data: dict | str) -> str:
@@ -104,5 +133,5 @@ async def event_stream(handle, chunk: Callable[[list[dict], dict | None], dict],
             handle.cancel()
 
 
-__all__ = ["SSE_HEADERS", "usage", "completion_choice", "chat_choice", "chat_delta", "chat_opening",
+__all__ = ["SSE_HEADERS", "usage", "usage_of", "Reply", "replies_or_hang_up", "completion_choice", "chat_choice", "chat_delta", "chat_opening",
            "reply_or_hang_up", "sse", "event_stream"]

@@ -1,7 +1,12 @@
 """The HTTP API's request bodies: what `/v1/completions` and `/v1/chat/completions` accept.
 
 Strict types ("5" is not a number and true is not 1), ranges checked, text checked to be text. Unknown
-fields are ignored, as OpenAI clients send many; `n` must be 1. Extension: `top_k` (0 = off).
+fields are ignored, as OpenAI clients send many; `n` must be 1. `null` stands for the default wherever
+OpenAI accepts it. Extension: `top_k` (0 = off).
+
+A completion's `prompt` is a string, a list of strings, a list of token ids or a list of such lists
+(`Prompts`: at most `MAX_PROMPTS`); `echo` and `logprobs` (0..MAX_TOP alternatives) as OpenAI has them.
+Chat takes `logprobs: true` and `top_logprobs`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,13 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_TOP = 20  # alternatives per position (logprobs, top_logprobs); meshlm.serve.scoring.MAX_TOP
+
+
+def _or(default: Any) -> BeforeValidator:
+    """`null` means the default."""
+    return BeforeValidator(lambda value: default if value is None else value)
 
 
 def _unicode(text: str) -> str:
@@ -48,8 +60,30 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(_unicode(s) for s in strings)
 
 
+def _prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt forms, as a list of prompts each a string or a list of token ids."""
+    if isinstance(value, str):
+        return [_unicode(value)]
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError("prompt", "must be a string, a list of strings, a list of token ids or a "
+                                            "list of lists of token ids, and not empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [value]
+    if len(value) > MAX_PROMPTS:
+        raise PydanticCustomError("prompt", f"at most {MAX_PROMPTS} prompts in one request; split the batch")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            out.append(_unicode(item))
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            out.append(item)
+        else:
+            raise PydanticCustomError("prompt", f"item {i} is neither a string nor a list of token ids")
+    return out
+
+
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: Annotated[StrictBool, _or(False)] = False
 
 
 class GenerationBody(BaseModel):
@@ -59,13 +93,13 @@ class GenerationBody(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
-    temperature: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=0, lt=2**31)] = 0  # the engine holds it as int32
+    temperature: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False), _or(1.0)] = 1.0
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False), _or(1.0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=0, lt=2**31), _or(0)] = 0  # the engine holds it as int32
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop_strings)] = ()
-    n: StrictInt = 1
-    stream: StrictBool = False
+    n: Annotated[StrictInt, _or(1)] = 1
+    stream: Annotated[StrictBool, _or(False)] = False
     stream_options: StreamOptions | None = None
 
     @field_validator("n")
@@ -81,7 +115,10 @@ class GenerationBody(BaseModel):
 
 
 class CompletionBody(GenerationBody):
-    prompt: Text
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0 with echo: score the prompt only
+    echo: Annotated[StrictBool, _or(False)] = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP)] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -92,7 +129,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionBody(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(gt=0)] | None = None  # the newer name of max_tokens
+    logprobs: Annotated[StrictBool, _or(False)] = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP)] | None = None
 
 
 __all__ = ["GenerationBody", "CompletionBody", "ChatCompletionBody", "ChatMessage", "StreamOptions", "Text",
-           "MAX_STOP_STRINGS"]
+           "MAX_STOP_STRINGS", "MAX_PROMPTS", "MAX_TOP"]

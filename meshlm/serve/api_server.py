@@ -21,6 +21,7 @@ from fastapi import FastAPI
 
 from meshlm.errors import UsageError
 from meshlm.serve.api_routes import create_app
+from meshlm.serve.api_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_protocol
 from meshlm.serve.engine import Engine
 
 log = logging.getLogger("meshlm.serve.api")
@@ -66,13 +67,19 @@ class _Server(uvicorn.Server):
             ender.cancel()
 
 
-def make_server(app: FastAPI, *, grace_s: float = 5.0, **config: Any) -> uvicorn.Server:
+def make_server(app: FastAPI, *, grace_s: float = 5.0, header_timeout_s: float = HEADER_TIMEOUT_S,
+                body_timeout_s: float = BODY_TIMEOUT_S, **config: Any) -> uvicorn.Server:
     """A uvicorn server for an app from `create_app`; `config` goes to `uvicorn.Config`.
 
     Run it with `server.run(sockets=[bind(host, port)])`. At SIGINT/SIGTERM it stops accepting
     connections, lets open replies run for `grace_s` seconds, then ends them with 503 "shutting down".
+    A connection that sends no complete request head within `header_timeout_s` (idle, or headers
+    trickling in) or no complete body within `body_timeout_s` of its head is closed
+    (meshlm/serve/api_timeouts.py); a kept-alive connection idle for 5 s after a reply too.
     """
     # uvicorn's own cut-off is only a backstop: ended replies close within a decode step.
+    config.setdefault("http", timed_protocol(header_timeout_s, body_timeout_s))
+    config.setdefault("timeout_keep_alive", 5)
     config = uvicorn.Config(app, timeout_graceful_shutdown=grace_s + 5, **config)
     return _Server(config, app.state.end_open_requests, grace_s)
 

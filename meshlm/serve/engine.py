@@ -51,6 +51,7 @@ from meshlm.serve.request import Event, GenerationRequest, RequestHandle
 from meshlm.serve.sampling import SamplingParams, SlotSampling
 from meshlm.serve.shapes import plan_shapes
 from meshlm.serve.steps import Steps
+from meshlm.serve.text import IncrementalText, StopMatcher
 
 log = logging.getLogger("meshlm.serve")
 
@@ -90,12 +91,25 @@ class Engine:
         self._seed_rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self.stats = collections.Counter()
         self._link = link  # multihost.Leader in process 0, Follower elsewhere; None for one process
+        self._scorer = None
 
     # --------------------------------------------------------------------------- public API
 
     def compiled_shapes(self) -> int:
         """How many shapes are compiled (prefill buckets + decode buckets): constant after `start()`."""
         return self.steps.compiled_shapes()
+
+    def scorer(self):
+        """The `meshlm.serve.scoring.Scorer` over this engine's weights (made on first use, then shared).
+        ValueError across several processes: the others would not run its forward."""
+        if self._link is not None:
+            raise ValueError("log-probabilities are not available when serving across several processes")
+        with self._wake:
+            if self._scorer is None:
+                from meshlm.serve.scoring import Scorer
+
+                self._scorer = Scorer.from_engine(self)
+            return self._scorer
 
     def check(self, request: GenerationRequest) -> None:
         """Raise ValueError if this request can never run here (before it is queued)."""
@@ -118,6 +132,7 @@ class Engine:
         """Queue a request; its events stream from the returned handle. Thread-safe, never blocks."""
         self.check(request)
         handle = RequestHandle(request, next(self._ids))
+        handle._text, handle._stops = IncrementalText(self.tokenizer), StopMatcher(request.stop)
         with self._wake:
             self._waiting.append(handle)
             self._wake.notify()
@@ -286,26 +301,40 @@ class Engine:
     # ------------------------------------------------------------------------------ text
 
     def _append(self, h: RequestHandle, token: int) -> None:
-        """One generated token: stream the text it completes, finish on eos/stop/length."""
+        """One generated token: stream the text it completes, finish on eos/stop/length.
+
+        Text that could be the start of a stop string is held back until it is known not to be one,
+        and sent when the reply ends. The work per token is proportional to its own text
+        (meshlm/serve/text.py), whatever the length of the reply or of the stop strings."""
         req = h.request
         if token == self.eos_id and not req.ignore_eos:
-            self._finish(h, "stop")
+            self._end(h, "stop", None)
             return
         h._ids.append(token)
         h.completion_tokens += 1
-        text = self.tokenizer.decode(h._ids)
-        for stop in req.stop:
-            at = text.find(stop, max(0, h._sent - len(stop)))
-            if at >= 0:
-                self._finish(h, "stop", token=token, text=text[h._sent:at])
-                return
-        if h.completion_tokens >= req.max_tokens or h.prompt_tokens + h.completion_tokens >= self.max_seq_len:
-            self._finish(h, "length", token=token, text=text[h._sent:])
+        if self._take_text(h, h._text.add(token), token):
             return
-        end = len(text) - 1 if text.endswith("\ufffd") else len(text)  # an incomplete UTF-8 character
-        end -= max((k for stop in req.stop for k in range(1, len(stop)) if text[:end].endswith(stop[:k])), default=0)
-        h._push(Event(text[h._sent:end] if end > h._sent else "", [token]))
-        h._sent = max(h._sent, end)
+        if h.completion_tokens >= req.max_tokens or h.prompt_tokens + h.completion_tokens >= self.max_seq_len:
+            self._end(h, "length", token)
+            return
+        send = len(h._held) - min(h._stops.partial, len(h._held))
+        h._push(Event(h._held[:send], [token]))
+        h._held = h._held[send:]
+
+    def _take_text(self, h: RequestHandle, piece: str, token: int | None) -> bool:
+        """Add settled text to what is held back; True (and the request finished) if a stop string ends in it."""
+        start = h._stops.feed(piece)
+        h._held += piece
+        if start is None:
+            return False
+        h._held = h._held[:max(0, len(h._held) - (h._stops.fed - start))]
+        self._finish(h, "stop", token=token, text=h._held)
+        return True
+
+    def _end(self, h: RequestHandle, reason: str, token: int | None) -> None:
+        """The reply ends (eos or length): send what was held back and what is still unsettled."""
+        if not self._take_text(h, h._text.flush(), token):
+            self._finish(h, reason, token=token, text=h._held)
 
     def _finish(self, h: RequestHandle, reason: str, token: int | None = None, text: str = "") -> None:
         h.finish_reason = reason

@@ -54,7 +54,9 @@ class RequestHandle:
         self._queue: asyncio.Queue | None = None
         # decoding state, touched only by the engine thread
         self._ids: list[int] = []
-        self._sent = 0  # characters of the decoded text already sent
+        self._text = None  # meshlm.serve.text.IncrementalText, set by the engine
+        self._stops = None  # meshlm.serve.text.StopMatcher, set by the engine
+        self._held = ""  # settled text not sent yet: it could begin a stop string
 
     @property
     def done(self) -> bool:
