@@ -58,6 +58,8 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
         from meshlm.checkpoint.weights import parse_init_from, read_model_config
 
         init_source = parse_init_from(cfg.init_from)
+    if cfg.model:
+        cfg.model = preset_name(cfg.model)  # `Tiny` is tiny, in the logs and the saved run config too
     if cfg.model or init_source is None:
         model = preset_or_config(cfg.model or "tiny", cfg.model_overrides)
     else:
@@ -66,6 +68,25 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
                           attention=cfg.attention)
     check_context(cfg.seq_len, model)
     return model, init_source
+
+
+def preset_name(name: str) -> str:
+    """--model as given, or the preset it names in another case (`Tiny`); a near miss of a preset
+    (`llama3-8`) that is no file is one line asking whether the preset was meant."""
+    import difflib
+
+    from meshlm.models.configs import PRESETS
+
+    if name in PRESETS or Path(name).suffix == ".json" or Path(name).exists():
+        return name
+    by_lower = {p.lower(): p for p in PRESETS}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    if close:
+        raise UsageError(f"--model={name!r} is neither a preset nor a config.json path; did you mean "
+                         f"--model={by_lower[close[0]]}?")
+    return name  # the preset table's own error lists every preset
 
 
 def check_context(seq_len: int, model: ModelConfig) -> None:
@@ -124,13 +145,30 @@ def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False)
 
 # ------------------------------------------------------------------------------------ whole jobs
 
-def resolve(cfg: TrainConfig, *, build: bool = True) -> Job:
+def check_output(cfg: TrainConfig, model: ModelConfig) -> None:
+    """--output_dir can hold the run (a folder, not a file or under one), and a checkpoint already in
+    it was saved by this model: found before the tokenizer, the data or anything compiles."""
+    import dataclasses
+
+    from meshlm.checkpoint.folders import check_writable_folder
+
+    check_writable_folder(cfg.output_dir, "--output_dir")
+    if (Path(cfg.output_dir).expanduser() / "checkpoints").is_dir():
+        from meshlm.checkpoint.manager import check_run_folder
+
+        check_run_folder(cfg.output_dir, dataclasses.asdict(model))
+
+
+def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job:
     """A training job from its flags on the devices JAX has (all processes'): model, mesh shape,
-    pipeline, strategy; with `build`, the mesh and the placement too. Raises UsageError."""
+    pipeline, strategy; with `output`, --output_dir and the checkpoint in it (`check_output`); with
+    `build`, the mesh and the placement too. Raises UsageError."""
     import jax
 
     cfg.validate()
     model, init_source = resolve_model(cfg)
+    if output:
+        check_output(cfg, model)
     shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim,
                                         jax.device_count(), jax.process_count(), cfg.pp)
     pipeline = pipeline_schedule(cfg, shape, model.n_layers) if shape.pp > 1 else None
@@ -158,12 +196,37 @@ def resolve_serving(model: ModelConfig, *, mesh_dim: str, dtype: str = "auto", m
     if shape.pp > 1:
         raise UsageError(f"--mesh_dim={mesh_dim}: serving runs without pipeline stages; drop pp")
     context = max_seq_len or min(model.max_seq_len, SERVING_CONTEXT)
-    meshlib.validate_mesh_shape(shape, batch_size=max_batch or shape.data, seq_len=context, n_heads=model.n_heads,
-                                n_kv_heads=model.n_kv_heads, mlp_dim=model.mlp_dim, vocab_size=model.vocab_size)
+    check_serving_mesh(shape, model, max_batch, context)
     compute = resolve_dtype(dtype)
     model = model.replace(dtype=compute, param_dtype=compute, remat="none")
     job = Job(model, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
     return _build(job) if build else job
+
+
+def serving_misfit(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int) -> str | None:
+    """Why a serving mesh cannot hold this model and its KV cache, or None: train's checks (decode
+    slots as the batch, the cache's context as seq_len, heads, MLP and vocabulary over tp, in train's
+    words), and the weights' embedding dimension over fsdp×sp, as serving lays them out."""
+    problem = meshlib.check_shape_fits(shape, batch_size=max_batch or shape.data, seq_len=context,
+                                       n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, mlp_dim=model.mlp_dim,
+                                       vocab_size=model.vocab_size)
+    if problem is None and model.d_model % (shape.fsdp * shape.sp):
+        problem = f"d_model = {model.d_model} is not divisible by fsdp×sp = {shape.fsdp * shape.sp}"
+    return problem
+
+
+def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int) -> None:
+    """One line, as train's: the problem and meshes of these devices that serve the model, or the
+    serving flags to change (serving has no --strategy)."""
+    problem = serving_misfit(shape, model, max_batch, context)
+    if problem is None:
+        return
+    working = [s for s in meshlib.all_mesh_shapes(shape.n_devices) if serving_misfit(s, model, max_batch, context) is None]
+    working.sort(key=lambda s: (-s.fsdp, -s.tp, s.sp, s.dp))  # as train lists them
+    hint = (f"meshes that work on these {shape.n_devices} devices: " + ", ".join(f"--mesh_dim={s}" for s in working[:4])
+            if working else f"no mesh of these {shape.n_devices} devices fits; change --devices, --max_batch or "
+            "--max_seq_len")
+    raise UsageError(f"--mesh_dim={shape}: {problem}; {hint}")
 
 
 def _build(job: Job) -> Job:

@@ -26,6 +26,17 @@ BAD = [
     (["train", "--bogus=1"], "unrecognized arguments: --bogus=1"),
     (["train", "--dataset=/no/such/file.txt", "--devices=1", "--model=test"], "/no/such/file.txt"),
     (["frobnicate"], "unknown command"),
+    (["trian"], "did you mean meshlm train?"),
+    (["train", "--mesh_dims=1,8,1,1"], "unknown flag --mesh_dims; did you mean --mesh_dim?"),
+    (["explain", "--mesh_dims=1,8,1,1"], "did you mean --mesh_dim?"),
+    (["plan", "--mesh_dims=1,8,1,1"], "did you mean --mesh_dim?"),
+    (["generate", "--checkpoint=x", "--prompt=x", "--mesh_dims=1,8,1,1"], "did you mean --mesh_dim?"),
+    (["serve", "--checkpoint=x", "--mesh_dims=1,8,1,1"], "did you mean --mesh_dim?"),
+    (["export", "--checkpoint=x", "--ouut=y"], "did you mean --out?"),
+    (["convert", "--to_hf=x", "--checkpoints=y"], "did you mean --checkpoint?"),
+    (["train", "--model=llama3-8"], "did you mean --model=llama3-8b?"),
+    (["train", "--model.n_layer=2"], "did you mean --model.n_layers?"),
+    (["serve", "--checkpoint=x", "--host=10.99.99.99"], "--host=10.99.99.99 is not an address of this machine"),
 ]
 
 
@@ -45,6 +56,15 @@ def test_bad_input_from_a_real_process(args, message):
     assert result.returncode == 2, result.stderr
     err = result.stderr.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_help_lists_every_command_with_one_line():
+    from meshlm.cli import COMMANDS
+
+    result = meshlm("--help", timeout=60)
+    assert result.returncode == 0
+    for command, (_, _, line) in COMMANDS.items():
+        assert any(row.split() == [command, *line.split()] for row in result.stdout.splitlines()), command
 
 
 def test_help_documents_every_flag():

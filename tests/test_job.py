@@ -80,3 +80,28 @@ def test_resolve_checks_the_context_for_every_command():
 
     with pytest.raises(UsageError, match="exceeds the model's max_seq_len"):
         resolve(TrainConfig(model="test", seq_len=10**6), build=False)
+
+
+def test_preset_names_in_any_case():
+    from meshlm.job import resolve_model
+
+    cfg = TrainConfig(model="Tiny")
+    model, _ = resolve_model(cfg)
+    assert cfg.model == "tiny" and model.d_model == 256
+
+
+def test_serving_mesh_misfit_is_said_in_serving_terms():
+    """A serving mesh the weights do not split over: plain words and meshes serve accepts (it has no
+    --strategy), before anything is built."""
+    from meshlm.job import resolve_serving
+    from meshlm.models.configs import PRESETS
+
+    model = PRESETS["test"].replace(d_model=60)  # 60 does not split over fsdp = 8
+    with pytest.raises(UsageError) as err:
+        resolve_serving(model, mesh_dim="1,8,1,1", build=False)
+    msg = str(err.value)
+    assert "d_model = 60 is not divisible by fsdp×sp = 8; meshes that work" in msg and "--mesh_dim=" in msg, msg
+    assert "--strategy" not in msg and "spec" not in msg, msg
+    with pytest.raises(UsageError) as err:
+        resolve_serving(PRESETS["tiny"], mesh_dim="1,1,8,1", build=False)
+    assert "n_heads = 4 is not divisible by tp = 8" in str(err.value) and "--mesh_dim=1,4,2,1" in str(err.value)

@@ -19,3 +19,13 @@ def test_python_example_runs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     loss = float(re.search(r"loss (\d+\.\d+)", result.stdout).group(1))
     assert 7.0 < loss < 12.0  # about ln(vocab) for a fresh model
+
+
+def test_set_up_says_how_to_run_the_command_and_what_to_pass():
+    """After `make run`, a new shell has no `meshlm` on PATH: the README says how to run it, that
+    outputs/run is the checkpoint, and what the 2-minute model produces."""
+    text = (ROOT / "README.md").read_text()
+    setup = text[text.index("## Set-up"):text.index("## Choosing the mesh")]
+    assert ".venv/bin/meshlm" in setup and "source .venv/bin/activate" in setup
+    assert "--checkpoint=outputs/run" in setup and "meshlm --help" in setup
+    assert "underscores" in setup  # the greedy reply, said honestly

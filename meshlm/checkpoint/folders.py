@@ -40,8 +40,25 @@ def copy_carried(files: tuple[Path, ...], tokenizer_dst: Path, other_dst: Path) 
         shutil.copy2(f, dst / f.name)
 
 
+def check_writable_folder(path: str | Path, flag: str) -> None:
+    """`path` is a folder meshlm may create or write into: not a file, not under a file, and its nearest
+    existing folder writable. One UsageError line naming the fix, before any work."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag}={path} is a file, not a folder; pass a folder path (it is created if missing)")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}={path} lies under {parent}, which is a file; pass a folder path that is not "
+                         "inside a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={path}: {parent} is not writable; pass a folder you can write to")
+
+
 def check_out(out: Path, flag: str) -> None:
-    """The folder to write must be new or empty."""
+    """The folder to write must be new or empty (and can be created)."""
+    check_writable_folder(out, flag)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{flag}={out} already exists and is not empty; choose a new path or delete it")
 
@@ -71,5 +88,5 @@ class Staging:
 
 __all__ = [
     "CONFIG_FILE", "TOKENIZER_DIR", "TOKENIZER_FILES", "GENERATION_CONFIG", "carried_files", "copy_carried",
-    "check_out", "Staging",
+    "check_writable_folder", "check_out", "Staging",
 ]

@@ -11,6 +11,8 @@ into its shards on the current mesh, never gathered whole on one device.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,25 +76,27 @@ class Checkpointer:
             raise UsageError(f"no complete checkpoint in {self.directory}")
         path = self.directory / str(step)
         try:
-            meta = self.meta(step)
+            with reads_that_may_fail():
+                meta = self.meta(step)
         except Exception as e:  # noqa: BLE001  (any unreadable metadata means a broken checkpoint)
-            raise _unreadable(path, e) from None
+            raise self._unreadable(step, e) from None
         if expect_meta is not None:
             check_compatible(path, meta, expect_meta)
         try:
-            stored = self._stored_shapes(step)
+            with reads_that_may_fail():
+                stored = self._stored_shapes(step)
         except Exception as e:  # noqa: BLE001
-            raise _unreadable(path, e) from None
+            raise self._unreadable(step, e) from None
         check_shapes(path, stored, abstract_state)
         try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()}
-                ),
-            )
+            with reads_that_may_fail():
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),
+                                               DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()}),
+                )
         except Exception as e:  # noqa: BLE001  (truncated or corrupt files surface as many error types)
-            raise _unreadable(path, e) from None
+            raise self._unreadable(step, e) from None
         return restored[STATE], restored[DATA], restored[META]
 
     def _stored_shapes(self, step: int) -> dict[str, tuple]:
@@ -102,12 +106,46 @@ class Checkpointer:
         return {_keystr(path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
 
 
-def _unreadable(path: Path, error: Exception) -> UsageError:
-    first = (str(error).splitlines() or [""])[0][:200]
-    return UsageError(
-        f"checkpoint {path} is incomplete or corrupt ({type(error).__name__}: {first}); "
-        "delete that folder to resume from the one before it"
-    )
+    def _unreadable(self, step: int, error: Exception) -> UsageError:
+        """The broken step, and what to do: resume from an earlier step that exists, or start over."""
+        path = self.directory / str(step)
+        earlier = [s for s in self.all_steps() if s < step]
+        fix = (f"delete that folder to resume from step {max(earlier)} ({self.directory / str(max(earlier))})"
+               if earlier else "it is the only checkpoint there: delete that folder to start the run over, or "
+               "use another --output_dir")
+        return UsageError(f"checkpoint {path} is incomplete or corrupt ({_first_line(error)}); {fix}")
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
+def _closed_loop_callback(unraisable) -> bool:
+    return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+
+
+_quiet_closed_loops = False
+
+
+@contextlib.contextmanager
+def reads_that_may_fail():
+    """Around an Orbax read of a checkpoint that may be truncated. When one array's read fails, Orbax
+    raises and closes its event loop while TensorStore still finishes the other reads; each of those
+    then reports `RuntimeError: Event loop is closed` through `sys.unraisablehook` (a traceback apiece,
+    around the one-line error), possibly before the failure reaches us. From the first such read on,
+    those reports (and only those: late callbacks into a loop that is gone) are dropped for the rest of
+    the process; every other unraisable exception reaches the hook that was there before."""
+    global _quiet_closed_loops
+    if not _quiet_closed_loops:
+        _quiet_closed_loops = True
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            if not _closed_loop_callback(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+    yield
 
 
 def _keystr(path) -> str:
@@ -134,14 +172,54 @@ def check_shapes(path: Path, stored: dict[str, tuple], abstract_state: Any) -> N
             )
 
 
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "tie_embeddings")
+
+
 def check_compatible(path: Path, stored: dict, expected: dict) -> None:
-    """The stored model config must equal this run's (mesh, batch and data order may change)."""
+    """The stored model config must equal this run's (mesh, batch and data order may change). One field
+    apart: name it. Several: name the --model flags the checkpoint was trained with (or every stored
+    value), or a new --output_dir."""
     a, b = stored.get("model", {}), expected.get("model", {})
-    shape_fields = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "tie_embeddings")
-    for f in shape_fields:
-        if f in a and f in b and a[f] != b[f]:
-            raise UsageError(
-                f"checkpoint {path} was saved with {f}={a[f]} but this run has {f}={b[f]}; "
-                f"pass --model.{f}={a[f]} or use another --output_dir"
-            )
+    differ = [f for f in SHAPE_FIELDS if f in a and f in b and a[f] != b[f]]
+    if not differ:
+        return
+    if len(differ) == 1 or differ == ["d_model", "head_dim"] or differ == ["n_heads", "head_dim"]:
+        f = differ[0]
+        raise UsageError(f"checkpoint {path} was saved with {f}={a[f]} but this run has {f}={b[f]}; "
+                         f"pass --model.{f}={a[f]} or use another --output_dir")
+    apart = ", ".join(f"{f} {a[f]} vs {b[f]}" for f in differ)
+    raise UsageError(f"checkpoint {path} holds a different model ({apart}); to resume it pass "
+                     f"{_model_flags(stored)}, or pass a new --output_dir to start another run")
+
+
+def _model_flags(stored: dict) -> str:
+    """The --model flags a checkpoint was trained with (from its saved train config), else every stored
+    shape field as --model.FIELD=VALUE."""
+    train = stored.get("train") or {}
+    if train.get("model"):
+        overrides = train.get("model_overrides") or {}
+        return " ".join([f"--model={train['model']}", *(f"--model.{k}={v}" for k, v in overrides.items())])
+    a = stored.get("model", {})
+    return " ".join(f"--model.{f}={a[f]}" for f in SHAPE_FIELDS if f in a and f != "head_dim")
+
+
+def check_run_folder(output_dir: str | Path, model: dict) -> None:
+    """Before any work: the newest checkpoint in a run's `output_dir` (if any) was saved by this model
+    (`model`: dataclasses.asdict of its ModelConfig). A checkpoint whose metadata cannot be read is
+    left to the restore, which names it."""
+    directory = Path(output_dir).expanduser().absolute() / "checkpoints"
+    if not directory.is_dir():
+        return
+    ckpt = Checkpointer(directory, async_save=False)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            return
+        try:
+            meta = ckpt.meta(step)
+        except Exception:  # noqa: BLE001
+            return
+        check_compatible(directory / str(step), meta, {"model": model})
+    finally:
+        ckpt.close()
 

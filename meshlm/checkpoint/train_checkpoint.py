@@ -58,9 +58,24 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> tuple[Path, in
         if step is None:
             raise UsageError(f"--checkpoint={p}: no complete checkpoint in {directory}")
     if not _is_step_dir(directory / str(step)):
-        raise UsageError(f"--checkpoint={p}: there is no step {step} in {directory}")
+        steps = complete_steps(directory)
+        have = f"the steps there are {', '.join(map(str, steps))}" if steps else "it holds no complete step"
+        raise UsageError(f"--checkpoint={p}: there is no step {step} in {directory}; {have}")
     run_dir = directory.parent if directory.name == "checkpoints" else None
     return directory, step, run_dir
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps of a Checkpointer folder that were saved completely, oldest first."""
+    return sorted(int(c.name) for c in directory.iterdir() if _is_step_dir(c)) if directory.is_dir() else []
+
+
+def another_step(directory: Path, step: int) -> str:
+    """What to pass instead of a broken `step`: only steps that exist."""
+    others = [s for s in complete_steps(directory) if s != step]
+    if not others:
+        return "it is the only checkpoint there, so there is no other --step to pass"
+    return f"pass --step={max(others)}" + (f" (steps there: {', '.join(map(str, others))})" if len(others) > 1 else "")
 
 
 def config_from_meta(model: dict) -> ModelConfig:
@@ -78,17 +93,17 @@ class TrainCheckpoint(WholeLeafSource):
     def __init__(self, path: str | Path, step: int | None = None):
         import orbax.checkpoint as ocp
 
-        from meshlm.checkpoint.manager import Checkpointer
+        from meshlm.checkpoint.manager import Checkpointer, reads_that_may_fail
 
         directory, self.step, run_dir = find_checkpoint(path, step)
         self.where = str(directory / str(self.step))
+        self._instead = another_step(directory, self.step)
         ckpt = Checkpointer(directory, async_save=False)
         try:
-            meta = ckpt.meta(self.step)
+            with reads_that_may_fail():
+                meta = ckpt.meta(self.step)
         except Exception as e:  # noqa: BLE001  (unreadable metadata: a broken checkpoint)
-            raise UsageError(
-                f"checkpoint {self.where} has unreadable metadata ({type(e).__name__}); pass another step"
-            ) from None
+            raise UsageError(f"checkpoint {self.where} has unreadable metadata ({type(e).__name__}); {self._instead}") from None
         finally:
             ckpt.close()
         if "model" not in meta:
@@ -97,10 +112,11 @@ class TrainCheckpoint(WholeLeafSource):
         self.state_dir = directory / str(self.step) / "state"
         self._ckptr = ocp.PyTreeCheckpointer()
         try:
-            tree = ocp.PyTreeCheckpointHandler().metadata(self.state_dir)
+            with reads_that_may_fail():
+                tree = ocp.PyTreeCheckpointHandler().metadata(self.state_dir)
             self._stored = getattr(tree, "tree", tree)["params"]
         except Exception as e:  # noqa: BLE001
-            raise UsageError(f"checkpoint {self.where} has unreadable state ({type(e).__name__}); pass another step") from None
+            raise UsageError(f"checkpoint {self.where} has unreadable state ({type(e).__name__}); {self._instead}") from None
         for leaf in leaves(self.cfg):
             try:
                 shape = tuple(get_path(self._stored, leaf.path).shape)
@@ -116,15 +132,18 @@ class TrainCheckpoint(WholeLeafSource):
     def _restore(self, item: dict, restore_args: dict) -> dict:
         import orbax.checkpoint as ocp
 
+        from meshlm.checkpoint.manager import reads_that_may_fail
+
         args = ocp.args.PyTreeRestore(
             item={"params": item}, restore_args={"params": restore_args}, partial_restore=True
         )
         try:
-            return self._ckptr.restore(self.state_dir, args=args)["params"]
+            with reads_that_may_fail():
+                return self._ckptr.restore(self.state_dir, args=args)["params"]
         except Exception as e:  # noqa: BLE001  (truncated or corrupt files surface as many error types)
             first = (str(e).splitlines() or [""])[0][:200]
             raise UsageError(
-                f"checkpoint {self.where} is incomplete or corrupt ({type(e).__name__}: {first}); pass another step"
+                f"checkpoint {self.where} is incomplete or corrupt ({type(e).__name__}: {first}); {self._instead}"
             ) from None
 
     def whole_leaf(self, leaf: Leaf) -> np.ndarray:

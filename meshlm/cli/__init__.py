@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": ("plan", "run", "rank the meshes for a training job, and check the best by compiling"),
     "generate": ("serve", "generate", "stream a completion of one prompt to the terminal"),
     "serve": ("serve", "serve", "an OpenAI-compatible HTTP API and a chat page"),
+    "eval": ("eval", "run", "lm-evaluation-harness tasks on a checkpoint, in-process on the mesh"),
     "convert": ("convert", "convert", "Hugging Face LLaMA weights in (--from_hf) or out (--to_hf)"),
     "export": ("convert", "export", "a checkpoint's parameters only, for serving"),
 }
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        from meshlm.cli.flags import did_you_mean
+
+        hint = did_you_mean(command, COMMANDS, "meshlm ") or f"; choose one of {', '.join(COMMANDS)}"
+        print(f"error: unknown command {command!r}{hint}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[command]
     try:

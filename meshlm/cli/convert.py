@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from meshlm.cli.flags import Parser
 from meshlm.errors import UsageError
+
+
+def _check_out(path: str, flag: str) -> None:
+    """The folder to write, checked before any weights are read: new or empty, not a file or under one."""
+    from meshlm.checkpoint.folders import check_out
+
+    check_out(Path(path).expanduser(), flag)
 
 
 def convert(argv: list[str]) -> int:
@@ -22,10 +31,12 @@ def convert(argv: list[str]) -> int:
     if args.from_hf:
         if not args.out:
             raise UsageError("--from_hf needs --out=P, the folder to write")
+        _check_out(args.out, "--out")
         path = convert_from_hf(args.from_hf, args.out, args.dtype)
     else:
         if not args.checkpoint:
             raise UsageError("--to_hf needs --checkpoint=P, what to convert")
+        _check_out(args.to_hf, "--to_hf")
         path = convert_to_hf(args.checkpoint, args.to_hf, args.dtype, step=args.step)
     print(f"wrote {path}")
     return 0
@@ -40,5 +51,6 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, help="which checkpoint step (default: newest)")
     parser.add_argument("--dtype", help="override the dtype (default: the model's compute dtype)")
     args = parser.parse_args(argv)
+    _check_out(args.out, "--out")
     print(f"wrote {export_params(args.checkpoint, args.out, args.dtype, args.step)}")
     return 0

@@ -23,6 +23,8 @@ def parser() -> Parser:
                      "first layer group's mlp/gate]")
     out.add_argument("--png", metavar="FILE", help="also draw it as a PNG")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    out.add_argument("--details", action="store_true", help="list every collective by where it comes from, not "
+                     "only the totals per mesh axis and kind")
     return p
 
 
@@ -31,7 +33,7 @@ def run(argv: list[str]) -> int:
 
     argv, overrides = split_model_overrides(argv)
     args = parser().parse_args(argv)
-    cfg = train_config(args, overrides, drop=("tensor", "png", "json"))
+    cfg = train_config(args, overrides, drop=("tensor", "png", "json", "details"))
     configure_runtime(cfg.devices)
     from meshlm.explain.report import explain
 
@@ -39,11 +41,11 @@ def run(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
-        print_report(report)
+        print_report(report, details=args.details)
     return 0
 
 
-def print_report(r: dict, file=None) -> None:
+def print_report(r: dict, file=None, details: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -55,7 +57,7 @@ def print_report(r: dict, file=None) -> None:
     for col in ("path", "shape", "PartitionSpec", "grads / optimizer state", "bytes/device", "from"):
         t.add_column(col)
     for p in r["parameters"]:
-        other = "" if p["grad_spec"] == p["spec"] == p["opt_spec"] else f"{p['grad_spec']} / {p['opt_spec']}"
+        other = f"{p['grad_spec']} / {p['opt_spec']}"
         t.add_row(p["path"], str(tuple(p["shape"])), p["spec"], other, f"{p['bytes']:,}", p["source"])
     console.print(t)
     pipe = r.get("pipeline")
@@ -75,19 +77,7 @@ def print_report(r: dict, file=None) -> None:
     if pipe:
         _print_stage_memory(console, pipe)
         _print_schedule(console, pipe["schedule"])
-    t = Table(title="collectives in the compiled train step (per device, per step)", title_justify="left")
-    for col in ("kind", "mesh axes", "bytes each", "times", "total", "where") + (("role",) if pipe else ()):
-        t.add_column(col)
-    merged: dict[tuple, list] = defaultdict(lambda: [0, 0])
-    for c in r["collectives"]:
-        key = (c["kind"], ",".join(c["axes"]) or "-", c["payload_bytes"], c["where"], c.get("role", ""))
-        merged[key][0] += c["count"]
-        merged[key][1] += c["total_bytes"]
-    for (kind, axes, each, where, role), (count, total) in sorted(merged.items(), key=lambda kv: -kv[1][1]):
-        where = where.replace("closed_call/", "").replace("while/body/", "scan/")
-        t.add_row(kind, axes, f"{each:,}", str(count), f"{total:,}",
-                  where if len(where) < 100 else where[:45] + "…" + where[-50:], *((role,) if pipe else ()))
-    console.print(t)
+    _print_collectives(console, r, details, bool(pipe))
     if pipe:
         _print_transfers(console, pipe["transfers"], pipe["schedule"])
     for b in r["boundaries"]:
@@ -98,6 +88,65 @@ def print_report(r: dict, file=None) -> None:
     console.print(r["picture"], highlight=False, markup=False)
     if "png" in r:
         console.print(f"wrote {r['png']}")
+
+
+def collective_groups(collectives: list[dict]) -> list[dict]:
+    """The collectives summed by (mesh axes, kind[, pipeline role]), the most bytes first; `where`
+    names the places that move the most, three at most."""
+    groups: dict[tuple, dict] = {}
+    for c in collectives:
+        key = (",".join(c["axes"]) or "-", c["kind"], c.get("role", ""))
+        g = groups.setdefault(key, {"axes": key[0], "kind": key[1], "role": key[2], "count": 0, "total_bytes": 0,
+                                    "places": defaultdict(int)})
+        g["count"] += c["count"]
+        g["total_bytes"] += c["total_bytes"]
+        g["places"][c["where"]] += c["total_bytes"]
+    out = sorted(groups.values(), key=lambda g: -g["total_bytes"])
+    for g in out:
+        places = sorted(g.pop("places").items(), key=lambda kv: -kv[1])
+        g["where"] = "; ".join(w for w, _ in places[:3]) + (f"; and {len(places) - 3} more" if len(places) > 3 else "")
+    return out
+
+
+def _short(text: str, n: int = 110) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def _print_collectives(console, r: dict, details: bool, pipe: bool) -> None:
+    from rich.table import Table
+
+    title = "collectives in the compiled train step (per device, per step)"
+    if not details:
+        t = Table(title=f"{title}, by mesh axis and kind (--details: each one)", title_justify="left")
+        for col in ("mesh axes", "kind", "times", "total bytes", "share", "mostly from") + (("role",) if pipe else ()):
+            t.add_column(col)
+        groups = collective_groups(r["collectives"])
+        total = sum(g["total_bytes"] for g in groups) or 1
+        for g in groups:
+            t.add_row(g["axes"], g["kind"], str(g["count"]), f"{g['total_bytes']:,}", f"{g['total_bytes'] / total:.0%}",
+                      _short(g["where"]), *((g["role"],) if pipe else ()))
+        t.add_row("all", "", str(sum(g["count"] for g in groups)), f"{sum(g['total_bytes'] for g in groups):,}", "100%",
+                  "", *(("",) if pipe else ()))
+    else:
+        t = Table(title=title, title_justify="left")
+        for col in ("mesh axes", "kind", "bytes each", "times", "total", "where") + (("role",) if pipe else ()):
+            t.add_column(col)
+        merged: dict[tuple, list] = defaultdict(lambda: [0, 0])
+        for c in r["collectives"]:
+            key = (",".join(c["axes"]) or "-", c["kind"], c["payload_bytes"], c["where"], c.get("role", ""))
+            merged[key][0] += c["count"]
+            merged[key][1] += c["total_bytes"]
+        # Grouped by mesh axis and kind (the groups in total-bytes order), the biggest first within each.
+        order = {(g["axes"], g["kind"]): i for i, g in enumerate(collective_groups(r["collectives"]))}
+        for (axes, kind, each, where, role), (count, total) in sorted(
+                merged.items(), key=lambda kv: (order[kv[0][:2]], -kv[1][1])):
+            t.add_row(axes, kind, f"{each:,}", str(count), f"{total:,}", _short(where, 140), *((role,) if pipe else ()))
+    console.print(t)
+    if r.get("platform") == "cpu" and any(c["kind"] == "all-reduce" and "fsdp" in c["axes"] and
+                                          c["where"].startswith("backward") for c in r["collectives"]):
+        console.print("note: XLA:CPU compiles the FSDP gradients' reduce-scatter as an all-reduce over fsdp (each "
+                      "device then keeps its shard), so it is listed as all-reduce fsdp here; on GPU and TPU it is "
+                      "a reduce-scatter, moving half the bytes.", highlight=False)
 
 
 def _print_stages(console, pipe: dict) -> None:

@@ -10,17 +10,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
 
 from meshlm import config
 from meshlm.errors import UsageError
+from meshlm.models.configs import ModelConfig
+
+
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
+    """` (did you mean PREFIX+CHOICE?)` for the closest choice to a misspelled `word`, or ''."""
+    bare = {c.lstrip("-"): c for c in choices}
+    close = difflib.get_close_matches(word.lstrip("-"), list(bare), n=1, cutoff=0.7)
+    return f"; did you mean {prefix}{bare[close[0]]}?" if close else ""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose own errors are one `UsageError` line naming `--help` (exit code 2 in `main`)."""
+    """argparse whose own errors are one `UsageError` line naming `--help` (exit code 2 in `main`); an
+    unknown flag close to a known one names it (`--mesh_dims`: did you mean --mesh_dim?)."""
 
     def error(self, message):
         raise UsageError(f"{message} (see `meshlm {self.prog.split()[-1]} --help`)")
+
+    def parse_args(self, args=None, namespace=None):
+        flags = [o for o in self._option_string_actions if o.startswith("--")]
+        for arg in args or ():  # before argparse, which would first name a required flag left out
+            name = arg.split("=", 1)[0]
+            if name.startswith("--") and len(name) > 2 and not any(f.startswith(name) for f in flags):
+                if hint := did_you_mean(name, flags):
+                    self.error(f"unknown flag {name}{hint}")
+        return super().parse_args(args, namespace)
 
 
 def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None) -> None:
@@ -68,6 +87,9 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                 if i + 1 >= len(argv):
                     raise UsageError(f"{arg} needs a value, e.g. {arg}=4")
                 value, i = argv[i + 1], i + 1
+            fields = {f.name for f in dataclasses.fields(ModelConfig)}
+            if key not in fields and (hint := did_you_mean(key, fields, "--model.")):
+                raise UsageError(f"--model.{key}: unknown model field{hint}")
             overrides[key] = value
         else:
             rest.append(arg)

@@ -31,6 +31,7 @@ def parser() -> argparse.ArgumentParser:
     add_dataclass_flags(job, config.ModelSection, only=("model", "init_from"))
     add_dataclass_flags(job, config.BatchConfig)
     add_dataclass_flags(job, config.PrecisionConfig)
+    add_dataclass_flags(job, config.LoggingConfig, only=("peak_tflops",))
     job.add_argument("--optimizer", default="adamw", help="adamw (meshlm train's optimizer) [default: adamw]")
     job.add_argument("--mesh_dim", help="evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)")
     pipe = p.add_argument_group("pipeline stages (as in meshlm train)")
@@ -143,7 +144,7 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
     from meshlm import job as joblib
     from meshlm.mesh import resolve_mesh_shape
     from meshlm.plan import report, search
-    from meshlm.plan.hardware import resolve_hardware
+    from meshlm.plan.hardware import resolve_hardware, with_peak
     from meshlm.plan.job import Job
 
     cfg, _ = joblib.resolve_model(train_cfg, backend=key if key == "cpu" else "accelerator")
@@ -159,6 +160,7 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
     if only is not None:  # the mesh the user named gets train's checks and train's messages
         joblib.check_mesh(train_cfg, only, cfg)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
+    hw = with_peak(hw, args.peak_tflops)
     job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum, flags)
     pps = search.auto_pps(job) if pp is None else (pp,)
     plans, rejected = search.search(job, hw, only, pps)

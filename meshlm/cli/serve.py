@@ -44,6 +44,29 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
                    help="prompt lengths that get a compiled prefill [default: 32, 64, ... up to max_seq_len]")
 
 
+def check_host(host: str) -> None:
+    """--host names an address of this machine (or 0.0.0.0 / ::, every one of them): a bind to it on a
+    free port succeeds. Otherwise one line, before anything loads (a busy --port is the server's own
+    bind to report)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host={host}: not a name or address this machine can resolve ({e.strerror}); "
+                         "use 127.0.0.1, 0.0.0.0 (every address) or one of this machine's addresses") from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise UsageError(f"--host={host} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
+                                 "(every address) or one of this machine's own addresses") from None
+            raise UsageError(f"--host={host}: cannot listen there ({e.strerror})") from None
+
+
 def run_in_cluster(command: str, argv: list[str], args, work: Callable[[bool], int]) -> int:
     """`work(main)` here alone, or in each of the processes the flags or the cluster's environment name
     (`meshlm.distributed.run`)."""
@@ -192,6 +215,7 @@ def serve(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} must be between 1 and 65535")
+    check_host(args.host)
 
     def work(main: bool) -> int:
         from meshlm.serve.api import bind, serve as run_server

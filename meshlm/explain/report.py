@@ -46,22 +46,26 @@ def explain(cfg: TrainConfig, tensor: str | None = None, png: str | None = None,
     import numpy as np
 
     from meshlm import job as joblib
-    from meshlm.explain import analysis as A, pipeline as PL
+    import jax
 
-    job = job or joblib.resolve(cfg)
+    from meshlm.explain import analysis as A, pipeline as PL
+    from meshlm.explain.names import readable
+
+    job = job or joblib.resolve(cfg, output=False)
     compiled = compiled or compile_step(job, cfg)
     placement, pipeline, step = job.placement, job.pipeline, compiled.step
     rows = A.param_rows(placement)
     tensor = tensor or next((r["path"] for r in rows if r["path"].endswith("mlp/gate")), rows[0]["path"])
     found = A.collectives(step.as_text(), placement)
     report = {
-        "mesh_dim": str(job.shape), "pp": job.shape.pp, "strategy": job.strategy.name,
+        "mesh_dim": str(job.shape), "pp": job.shape.pp, "platform": jax.devices()[0].platform, "strategy": job.strategy.name,
         "groups": [{"layers": g.key, "strategy": g.strategy.name} for g in placement.groups],
         "parameters": [{**r, "shape": list(r["shape"]), **{k: str(r[k]) for k in ("spec", "grad_spec", "opt_spec")}}
                        for r in rows],
         "memory": A.state_memory(placement, step, compiled.grads, compiled.batch),
         "collectives": [dict(kind=c.kind, axes=list(c.axes), payload_bytes=c.payload_bytes, count=c.count,
-                             total_bytes=c.total_bytes, where=c.where, role=PL.role(c)) for c in found],
+                             total_bytes=c.total_bytes, where=readable(c.where), op_name=c.where, role=PL.role(c))
+                        for c in found],
         "boundaries": [{**b, "spec_before": str(b["spec_before"]), "spec_after": str(b["spec_after"]),
                         "forward": [c.__dict__ for c in b["forward"]], "backward": [c.__dict__ for c in b["backward"]]}
                        for b in A.boundaries(placement, cfg.batch_size // cfg.grad_accum, cfg.seq_len)],

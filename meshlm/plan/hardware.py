@@ -45,6 +45,7 @@ class Hardware:
     source: str = ""
     memory_fraction: float = 1.0  # the share of the device's memory JAX takes
     memory_setting: str = ""  # which setting decided memory_fraction
+    peak_source: str = "datasheet peak, the table meshlm train's MFU uses"  # where peak_* come from
 
     @property
     def memory_note(self) -> str:
@@ -136,17 +137,33 @@ def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
 def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     """This machine's CPU shared by `n_devices` simulated devices, every figure measured.
 
-    Compute: `meshlm.train.metrics.matmul_probe` (the MFU probe) split evenly among the devices.
+    Compute: the peak `meshlm train` uses for MFU on CPU (`meshlm.train.metrics.matmul_probe`, the same
+    size and duration, split evenly among the devices), so the two MFUs share one definition. It is
+    measured on each run, so on a busy machine it moves between runs; `--peak_tflops` pins it.
     Memory: physical RAM split evenly. Links: simulated collectives are memory copies, so both
     domains get the measured copy bandwidth split among the devices.
     """
     from meshlm.train.metrics import matmul_probe
 
-    peak = matmul_probe(dtype, size=1024, seconds=0.5) / n_devices
+    probe = matmul_probe(dtype, size=1024, seconds=1.0)
+    peak = probe / n_devices
     copy = memcpy_probe() / n_devices
     return Hardware("cpu", peak, peak, _host_memory_bytes() / n_devices, copy, copy, copy,
                     fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
-                    source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy), split over {n_devices} devices")
+                    source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy), split over {n_devices} devices",
+                    peak_source=f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {n_devices} "
+                                "devices, as meshlm train measures its MFU peak (re-measured each run: it moves with "
+                                "the machine's load; --peak_tflops pins it for both)")
+
+
+def with_peak(hw: Hardware, peak_tflops: float | None) -> Hardware:
+    """`hw` with `--peak_tflops` as its peak in every dtype (what `meshlm train --peak_tflops` uses for MFU)."""
+    if peak_tflops is None:
+        return hw
+    if not peak_tflops > 0:
+        raise UsageError(f"--peak_tflops={peak_tflops} must be a positive number of TFLOP/s per device")
+    return replace(hw, peak_bf16=peak_tflops * 1e12, peak_fp32=peak_tflops * 1e12,
+                   peak_source=f"--peak_tflops={peak_tflops:g}")
 
 
 def hardware_key(name: str) -> str:

@@ -12,15 +12,20 @@ from meshlm.plan.search import Plan
 PIE = ("params", "gradients", "optimizer", "activations", "temporaries")
 
 
-def train_command(job: Job, plan: Plan, model_flags: list[str]) -> str:
-    """The `meshlm train` line that runs this plan."""
+def train_command(job: Job, plan: Plan, model_flags: list[str], hw: Hardware | None = None) -> str:
+    """The `meshlm train` line that runs this plan (on CPU with `--devices`, the simulated devices it
+    needs, and a pinned peak with the `--peak_tflops` the plan used)."""
     parts = ["meshlm train", *model_flags, f"--mesh_dim={plan.mesh_dim}"]
+    if hw is not None and hw.name == "cpu":
+        parts.append(f"--devices={job.n_devices}")
     if plan.shape.pp > 1:
         parts += job.pipeline.flags(plan.shape.pp)
     parts += [f"--batch_size={job.batch_size}", f"--seq_len={job.seq_len}"]
     if job.grad_accum > 1:
         parts.append(f"--grad_accum={job.grad_accum}")
     parts += [f"--dtype={job.cfg.dtype}", f"--param_dtype={job.cfg.param_dtype}", f"--remat={job.cfg.remat}"]
+    if hw is not None and hw.peak_source.startswith("--peak_tflops="):
+        parts.append(hw.peak_source)
     return " ".join(parts)
 
 
@@ -53,12 +58,12 @@ def _operator_json(op) -> dict[str, Any]:
     }
 
 
-def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int) -> dict[str, Any]:
+def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int, hw: Hardware | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "rank": rank,
         "mesh_dim": plan.mesh_dim,
         "mesh": plan.shape.as_dict(),
-        "command": train_command(job, plan, model_flags),
+        "command": train_command(job, plan, model_flags, hw),
         "fits": plan.fits,
         "axes_inside_fast_domain": {axis: inner for axis, (inner, _) in plan.placement.items()},
         "predicted": {
@@ -102,14 +107,14 @@ def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str],
                 "tokens_per_step": job.tokens,
                 "pipeline": {"schedule": job.pipeline.schedule, "microbatches": job.pipeline.microbatches,
                              "virtual_stages": job.pipeline.virtual_stages}},
-        "hardware": {"name": hw.name, "peak_flops_per_second": hw.peak_flops(c.dtype), "memory_bytes": hw.hbm_bytes,
+        "hardware": {"name": hw.name, "peak_flops_per_second": hw.peak_flops(c.dtype), "peak_source": hw.peak_source, "memory_bytes": hw.hbm_bytes,
                      "memory_fraction": hw.memory_fraction,
                      "memory_bytes_per_second": hw.hbm_bandwidth, "fast_link": hw.fast_name,
                      "fast_link_bytes_per_second": hw.fast_bandwidth, "slow_link": hw.slow_name,
                      "slow_link_bytes_per_second": hw.slow_bandwidth, "fast_domain_devices": hw.fast_domain,
                      "source": hw.source},
-        "recommended": train_command(job, plans[0], model_flags),
-        "plans": [plan_json(job, p, model_flags, i + 1) for i, p in enumerate(plans)],
+        "recommended": train_command(job, plans[0], model_flags, hw),
+        "plans": [plan_json(job, p, model_flags, i + 1, hw) for i, p in enumerate(plans)],
         "rejected_meshes": rejected,
     }
 
@@ -130,6 +135,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
                   f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
                   f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
                   f"device); remat {c.remat}", highlight=False)
+    console.print(f"MFU peak: {hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s per device ({hw.peak_source})", highlight=False)
     shown = plans[:top]
     verified = any(p.compiled for p in shown)
     staged = any(p.pipeline for p in shown)
@@ -178,7 +184,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     console.print(ops)
     for op in best.comm_bound:
         console.print(f"{op.name} is communication-bound on {op.link}: {op.fix}", highlight=False)
-    console.print(f"recommended: [bold]{train_command(job, best, model_flags)}[/]", highlight=False, soft_wrap=True)
+    console.print(f"recommended: [bold]{train_command(job, best, model_flags, hw)}[/]", highlight=False, soft_wrap=True)
 
 
 def print_stages(plan: Plan, console) -> None:
@@ -214,12 +220,19 @@ def print_stages(plan: Plan, console) -> None:
 
 
 def write_png(path: str | Path, job: Job, hw: Hardware, plans: list[Plan], top: int) -> Path:
-    """Stacked bars of each mesh's memory pie (device memory as a line) beside its predicted step time."""
+    """The chart of `figure` as a PNG, cropped to what it draws (legends included)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure(job, hw, plans, top).savefig(path, bbox_inches="tight")
+    return path
+
+
+def figure(job: Job, hw: Hardware, plans: list[Plan], top: int):
+    """Stacked bars of each mesh's memory pie (device memory as a line, or a note when it is far above
+    them) beside its predicted step time; the legends sit under the panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     shown = plans[:top]
     labels = [p.label + (f" {p.pipeline.schedule.name}" if p.pipeline else "") + ("" if p.fits else " (no fit)")
               for p in shown]
@@ -231,10 +244,16 @@ def write_png(path: str | Path, job: Job, hw: Hardware, plans: list[Plan], top: 
         values = [p.memory.as_dict()[part] / 1e9 for p in shown]
         mem.bar(labels, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
-    mem.axhline(hw.hbm_bytes / 1e9, color="black", linestyle="--", linewidth=1, label=f"{hw.name} memory")
+    tallest = max(bottom, default=0.0)
+    device_gb = hw.hbm_bytes / 1e9
+    if tallest > 0 and device_gb > 4 * tallest:  # the line would squash the bars flat: say it instead
+        mem.set_ylim(0, tallest * 1.25)
+        mem.text(0.02, 0.97, f"{hw.name} memory: {device_gb:.3g} GB per device (above this scale)",
+                 transform=mem.transAxes, va="top", fontsize=8)
+    else:
+        mem.axhline(device_gb, color="black", linestyle="--", linewidth=1, label=f"{hw.name} memory")
     mem.set_ylabel("GB per device")
     mem.set_title("memory per device")
-    mem.legend(fontsize=7)
     compute = [p.time.compute_s for p in shown]
     step.bar(labels, compute, label="compute", color="tab:green")
     step.bar(labels, [p.time.exposed_comm_s for p in shown], bottom=compute, label="exposed communication",
@@ -244,12 +263,12 @@ def write_png(path: str | Path, job: Job, hw: Hardware, plans: list[Plan], top: 
         step.bar(labels, bubble, color="none", edgecolor="black", hatch="//", linewidth=0.5, label="pipeline bubble")
     step.set_ylabel("predicted seconds per step")
     step.set_title("step time")
-    step.legend(fontsize=7)
     for ax in (mem, step):
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
         ax.set_xlabel("--mesh_dim (dp,fsdp,tp,sp)" + (", pp stages" if any(p.pipeline for p in shown) else ""))
+        # Legends under the panels, never over the bars; the saved figure grows to hold them.
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=3, frameon=False)
     fig.suptitle(f"{job.cfg.num_params() / 1e9:.3g}B parameters, batch {job.batch_size} × {job.seq_len} on "
                  f"{job.n_devices} × {hw.name}")
     fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return fig

@@ -1,0 +1,82 @@
+"""The model's names for where a collective comes from, instead of JAX's op names.
+
+XLA's metadata names an operation by the JAX transforms around it and the primitive, e.g.
+`transpose(jvp())/while/body/closed_call/bte,ekd->btkd/dot_general`: the backward (`transpose`) of
+the forward (`jvp`), inside the scan over the layers (`while/body`), of the einsum that projects keys
+and values. `readable` turns that into "backward of layers/attn k, v projection (wk, wv)"; a fused
+operation (`(a:b:c)`) lists each of its parts once.
+"""
+
+from __future__ import annotations
+
+import re
+
+# The model's einsums (meshlm/models/llama.py, meshlm/models/loss.py) and what they compute.
+EINSUMS = {
+    "bte,ehd->bthd": "attn q projection (wq)",
+    "bte,ekd->btkd": "attn k, v projection (wk, wv)",
+    "bthd,hde->bte": "attn output projection (wo)",
+    "bte,ev->btv": "lm_head",
+    "btv,ev->bte": "lm_head",
+    "bte,btv->ev": "lm_head",
+}
+# Primitives without an einsum of their own, by where they sit (inside the layer scan or outside).
+IN_LAYERS = {"dot_general": "mlp (gate, up, down)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
+             "reduce_max": "attention softmax"}
+OUTSIDE = {"dot_general": "lm_head", "mul": "final norm scale", "gather": "embed lookup", "scatter-add": "embed",
+           "reduce_max": "loss softmax", "reduce_sum": "loss sums",
+           "sharding_constraint": "layout change", "take_along_axis": "loss (target logits)"}
+TRANSFORMS = re.compile(r"\b(transpose|jvp|jit|vmap|remat|checkpoint|custom_jvp_call|custom_vjp_call)\(")
+
+
+def _one(name: str) -> str:
+    backward = name.startswith("transpose(")
+    layers = "while/body" in name
+    parts = [p for p in name.split("/") if p]
+    what = ""
+    for part in reversed(parts):  # the innermost einsum names the operator best
+        inner = TRANSFORMS.sub("", part).rstrip(")")
+        if inner in EINSUMS:
+            what = EINSUMS[inner]
+            break
+        if "take_along_axis" in part:
+            what = OUTSIDE["take_along_axis"]
+            break
+        if "_take" in part:
+            what = OUTSIDE["gather"]
+            break
+    if not what:
+        prim = parts[-1] if parts else name
+        what = (IN_LAYERS if layers else OUTSIDE).get(prim, prim)
+    if not TRANSFORMS.match(name):
+        return "after the backward: gradient norm and logged metrics"  # outside the differentiated function
+    return ("backward of " if backward else "forward of ") + ("layers/" if layers else "") + what
+
+
+def readable(op_name: str) -> str:
+    """The model's name for an XLA op name (several for a fused one, each once, in order)."""
+    if not op_name or op_name.startswith("parameter "):
+        return op_name
+    name = op_name.replace("closed_call/", "")
+    if name.startswith("(") and name.endswith(")") and ":" in name:
+        pieces = name[1:-1].split(":")
+        # A fused group shares its prefix with its first member: `pre/(a:b)` is written `(pre/a:pre/b)`
+        # only in part, so each piece takes the first piece's prefix when it has none.
+        prefix = pieces[0].rsplit("/", 2)[0] + "/" if pieces[0].count("/") >= 2 else ""
+        pieces = [p if "/" in p.split("->")[0] or p.startswith(("jvp(", "transpose(")) else prefix + p for p in pieces]
+    elif "/(" in name and name.endswith(")"):
+        head, _, body = name.partition("/(")
+        pieces = [f"{head}/{p}" for p in body[:-1].split(":")]
+    else:
+        pieces = [name]
+    grouped: dict[str, list[str]] = {}  # "backward of layers/" -> [what, ...], in order, each once
+    for piece in pieces:
+        text = _one(piece)
+        head, sep, what = text.rpartition("layers/") if "layers/" in text else text.partition(" of ")
+        key = head + sep
+        if what not in grouped.setdefault(key, []):
+            grouped[key].append(what)
+    return "; ".join(key + ", ".join(whats) for key, whats in grouped.items())
+
+
+__all__ = ["readable", "EINSUMS"]

@@ -1,0 +1,79 @@
+"""A plan for simulated CPU devices: its command runs as pasted (--devices), its MFU peak is the one
+`meshlm train` measures (and says so), and its chart shows the memory bars and keeps legends off them."""
+
+import json
+
+import pytest
+
+from meshlm.cli import main
+
+JOB = ["plan", "--model=test", "--devices=8", "--batch_size=8", "--seq_len=32", "--hardware=cpu", "--json"]
+
+
+@pytest.fixture
+def fixed_probe(monkeypatch):
+    """Both peaks from one fake probe that records how it was asked."""
+    from meshlm.train import metrics
+
+    calls = []
+
+    def probe(dtype="float32", size=1024, seconds=1.0, device=None):
+        calls.append((dtype, size, seconds))
+        return 80e9
+
+    monkeypatch.setattr(metrics, "matmul_probe", probe)
+    return calls
+
+
+def test_cpu_command_names_the_devices(capsys, fixed_probe):
+    assert main(JOB) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "--devices=8" in doc["recommended"].split()
+    assert all("--devices=8" in p["command"].split() for p in doc["plans"])
+
+
+def test_cpu_peak_is_trains_mfu_peak(capsys, fixed_probe):
+    import jax
+
+    from meshlm.train.metrics import resolve_peak
+
+    assert main(JOB) == 0
+    doc = json.loads(capsys.readouterr().out)
+    plan_calls = list(fixed_probe)
+    train_peak, _ = resolve_peak(None, "float32")
+    assert plan_calls[-1] == fixed_probe[-1]  # the same dtype, matrix size and duration
+    assert doc["hardware"]["peak_flops_per_second"] == train_peak == 80e9 / jax.local_device_count()
+    assert "as meshlm train measures" in doc["hardware"]["peak_source"]
+
+
+def test_peak_tflops_pins_plan_and_train(capsys, fixed_probe):
+    assert main([*JOB, "--peak_tflops=0.5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hardware"]["peak_flops_per_second"] == 0.5e12
+    assert "--peak_tflops=0.5" in doc["recommended"].split()
+
+
+def test_table_says_which_peak(capsys, fixed_probe):
+    assert main(JOB[:-1]) == 0
+    out = capsys.readouterr().out
+    assert "MFU peak: 0.01 TFLOP/s per device (measured float32 1024^2 matmul" in out
+
+
+def test_chart_shows_the_bars_and_keeps_legends_off_them(fixed_probe, tmp_path):
+    from meshlm.models.configs import PRESETS
+    from meshlm.plan import report, search
+    from meshlm.plan.hardware import resolve_hardware
+    from meshlm.plan.job import Job, PipelineFlags
+
+    hw = resolve_hardware("cpu", 8, "float32")
+    job = Job(PRESETS["test"].replace(dtype="float32"), 8, 32, 8, 1, PipelineFlags("1f1b", None, 1))
+    plans, _ = search.search(job, hw, None, (1,))
+    fig = report.figure(job, hw, plans, 5)
+    mem, step = fig.axes[:2]
+    tallest = max(p.memory.total for p in plans[:5]) / 1e9
+    assert mem.get_ylim()[1] < 2 * tallest  # the bars fill the panel, the device memory is a note
+    renderer = fig.canvas.get_renderer()
+    for ax in (mem, step):
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not legend.overlaps(ax.get_window_extent(renderer))
+    assert report.write_png(tmp_path / "p.png", job, hw, plans, 5).read_bytes()[:4] == b"\x89PNG"
