@@ -1,5 +1,5 @@
 """A run's settings, in sections: mesh, cluster, model, pipeline, batch, precision, optimizer, data,
-checkpoint and logging.
+eval, checkpoint and logging.
 
 Each section is a dataclass whose fields are the command-line flags (a field's `help` metadata is
 its help text, `cli=False` keeps it off the command line) and whose `check` finds bad values before
@@ -19,7 +19,7 @@ from meshlm.errors import UsageError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
 # Rematerialisation policies (meshlm.models.llama.REMAT_POLICIES implements them).
-REMAT = ("none", "full", "save_dots", "save_qkv_attn", "save_attn")
+REMAT = ("auto", "none", "full", "save_dots", "save_qkv_attn", "save_attn")
 # Attention kernels (meshlm.ops.kernels dispatches them); `auto` picks the backend's own.
 ATTENTION = ("auto", "blockwise", "dense", "cudnn", "triton", "splash")
 
@@ -118,7 +118,9 @@ class PrecisionConfig:
 
     dtype: str = _flag("auto", "compute dtype: auto (float32 on CPU, where it is fastest; bfloat16 on GPU/TPU), float32, bfloat16")
     param_dtype: str = _flag("float32", "parameter and optimizer-state dtype: float32 (bfloat16 is refused for training: it would keep no float32 master copy; use --dtype=bfloat16 for bf16 compute)")
-    remat: str = _flag("none", "rematerialisation policy, what each layer keeps for the backward: none (everything), "
+    remat: str = _flag("auto", "rematerialisation policy, what each layer keeps for the backward: auto (the least "
+                       "recomputation whose predicted peak fits the device: none on CPU; in meshlm plan the fastest "
+                       "that fits, with more --grad_accum if needed), none (everything), "
                        "save_dots (matmul outputs), save_attn (q, k, v, attention output and its projection: recompute "
                        "the MLP), save_qkv_attn (q, k, v, attention output), full (the layer input)")
     attention: str = _flag("auto", "attention kernel: auto (splash on TPU, cuDNN or Triton on GPU, blockwise on CPU), blockwise, dense, cudnn, triton, splash")
@@ -146,13 +148,16 @@ class OptimizerSection:
 
     steps: int = _flag(200, "optimizer steps to take (steps count from 1)")
     lr: float = _flag(3e-4, "peak learning rate")
-    warmup_steps: int | None = _flag(None, "linear warm-up steps (default: 10%% of --steps, at most 1000)")
+    warmup_steps: int | None = _flag(None, "linear warm-up steps (default: 10%% of the schedule's steps, at most 1000)")
     min_lr_ratio: float = _flag(0.1, "cosine decay ends at lr × this")
     weight_decay: float = _flag(0.1, "AdamW weight decay (never applied to norm scales)")
     clip_norm: float = _flag(1.0, "global gradient-norm clip; 0 disables")
+    schedule_steps: int | None = _flag(None, "steps the warm-up and cosine decay are laid over (default: --steps); "
+                                       "when resuming with a larger --steps, pass the first run's --steps to keep its "
+                                       "learning-rate schedule (after it the rate stays at lr × --min_lr_ratio)")
 
     def check(self) -> None:
-        check_positive(self, "steps")
+        check_positive(self, "steps", "schedule_steps")
 
 
 @dataclass
@@ -161,17 +166,48 @@ class DataConfig:
 
     dataset: str = _flag("stdlib", "stdlib (Python's own sources), synthetic, a .txt/.jsonl file, folder or glob, or hf:NAME[:split]")
     tokenizer: str | None = _flag(None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)")
-    seed: int = _flag(0, "seed for parameters and data order")
+    seed: int = _flag(0, "seed for parameters and data order (default: 0)")
 
     def check(self) -> None:
         pass
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation during training: loss and perplexity on rows that never train (off unless a source is given)."""
+
+    eval_dataset: str | None = _flag(None, "evaluate on this dataset (any --dataset spec), tokenized like the training data")
+    eval_split: float | None = _flag(None, "evaluate on this fraction of the training rows, e.g. 0.01, held out of "
+                                     "training (the same rows whatever the seed)")
+    eval_every: int | None = _flag(None, "evaluate every N steps and after the last one (default: --steps / 10)")
+    eval_batches: int | None = _flag(None, "batches of --batch_size rows per evaluation, the same rows each time "
+                                     "(default: as many as the held-out rows give, at most 10)")
+
+    def check(self) -> None:
+        if self.eval_dataset is not None and self.eval_split is not None:
+            raise UsageError("--eval_dataset and --eval_split both choose the evaluation rows; pass one of them")
+        if self.eval_split is not None and not 0.0 < self.eval_split < 1.0:
+            raise UsageError(f"--eval_split={self.eval_split} must be a fraction strictly between 0 and 1, e.g. 0.01")
+        if self.eval_dataset is not None and not self.eval_dataset.strip():
+            raise UsageError("--eval_dataset is empty; name a dataset as for --dataset, or leave it out")
+        for name in ("eval_every", "eval_batches"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UsageError(f"--{name}={value} must be a positive integer")
+            if value is not None and not self.evaluates:
+                raise UsageError(f"--{name} needs something to evaluate: add --eval_split=0.01 or --eval_dataset=...")
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_dataset is not None or self.eval_split is not None
+
+
+@dataclass
 class CheckpointConfig:
     """Where the run's files go and how often it saves."""
 
-    output_dir: str = _flag("outputs/train", "where metrics.jsonl, TensorBoard events and loss.png go")
+    output_dir: str = _flag("outputs/train", "the run's folder: checkpoints/ (a re-run resumes from the newest), "
+                            "metrics.jsonl, TensorBoard events (tb/), loss.png, config.json and the tokenizer")
     save_every: int = _flag(0, "save a checkpoint every N steps (0: only at the end); re-running resumes from the newest")
     keep: int = _flag(3, "how many of the newest checkpoints to keep")
 
@@ -195,12 +231,12 @@ class LoggingConfig:
 SECTIONS = {
     "mesh": MeshConfig, "cluster": ClusterConfig, "model": ModelSection, "pipeline": PipelineConfig,
     "batch": BatchConfig, "precision": PrecisionConfig, "optimizer": OptimizerSection, "data": DataConfig,
-    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "eval": EvalConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
 }
 
 
 @dataclass
-class TrainConfig(LoggingConfig, CheckpointConfig, DataConfig, OptimizerSection, PrecisionConfig, BatchConfig,
+class TrainConfig(LoggingConfig, CheckpointConfig, EvalConfig, DataConfig, OptimizerSection, PrecisionConfig, BatchConfig,
                   PipelineConfig, ModelSection, ClusterConfig, MeshConfig):
     """Every `meshlm train` flag: the composition of the sections above."""
 

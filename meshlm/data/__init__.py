@@ -5,6 +5,9 @@ loading (`loader.py`).
     loader = make_loader("stdlib", tok, seq_len=1024, global_batch_size=64,
                          process_index=jax.process_index(), process_count=jax.process_count())
     batch = next(loader)   # dict of numpy arrays [64 / process_count, 1024]
+
+    loader = make_loader(..., eval_split=0.01)            # 1% of the rows never train ...
+    evals = make_eval_batches(loader, None, n_batches=4)  # ... and are evaluated (heldout.py)
 """
 
 from meshlm.data.corpus import (
@@ -15,7 +18,8 @@ from meshlm.data.corpus import (
     is_synthetic,
     open_corpus,
 )
-from meshlm.data.loader import DataLoader, make_loader, pack_rows, tokenize_corpus
+from meshlm.data.heldout import EvalBatches, make_eval_batches
+from meshlm.data.loader import DataLoader, held_out_rows, make_loader, pack_rows, tokenize_corpus
 from meshlm.data.tokenizer import (
     EOS_TOKEN,
     SyntheticTokenizer,
@@ -30,11 +34,14 @@ __all__ = [
     "SYNTHETIC",
     "Corpus",
     "DataLoader",
+    "EvalBatches",
     "SyntheticTokenizer",
     "Tokenizer",
     "cache_root",
+    "held_out_rows",
     "is_synthetic",
     "load_tokenizer",
+    "make_eval_batches",
     "make_loader",
     "open_corpus",
     "pack_rows",

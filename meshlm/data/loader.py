@@ -18,11 +18,16 @@ steps_per_epoch) of the epoch's permutation of all rows, seeded by (seed, e). Pr
 global rows `p*B/P .. (p+1)*B/P - 1` of that batch, so the processes' pieces, stacked in process
 order, are exactly the one-process batch. `batch(step)` is a pure function of the step, which makes
 resuming exact: a loader restored at step k yields what a fresh one yields at step k.
+
+Held out (`eval_split`): `held_out_rows` sets aside a fixed sample of the rows for evaluation
+(`meshlm.data.heldout` reads them) and the epochs permute only the others; without it every row
+trains, in the order above.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -35,6 +40,7 @@ from meshlm.errors import UsageError
 
 _FORMAT = "tokens-v1"  # bump to invalidate cached token files when packing changes
 _ENCODE_CHUNK = 256  # documents per parallel encode call
+EVAL_SEED = 0x5EED_E7A1  # the held-out sample's own generator: the same rows whatever --seed is
 
 
 def pack_rows(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
@@ -54,6 +60,15 @@ def pack_rows(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
         "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
         "loss_mask": (~ends).astype(np.float32),
     }
+
+
+def held_out_rows(num_rows: int, fraction: float) -> np.ndarray:
+    """The `ceil(fraction * num_rows)` row ids held out for evaluation, in evaluation order: a fixed
+    random sample that depends on the row count and the fraction alone."""
+    if not 0.0 < fraction < 1.0:
+        raise UsageError(f"--eval_split={fraction} must be a fraction strictly between 0 and 1, e.g. 0.01")
+    n = min(num_rows - 1, math.ceil(fraction * num_rows)) if num_rows > 1 else 0
+    return np.random.default_rng(EVAL_SEED).permutation(num_rows)[:n].astype(np.int64)
 
 
 def tokenize_corpus(
@@ -127,6 +142,7 @@ class DataLoader:
         start_step: int = 0,
         cache_dir: str | os.PathLike | None = None,
         text_field: str = "text",
+        eval_split: float | None = None,
     ):
         if seq_len < 1 or global_batch_size < 1:
             raise UsageError(
@@ -148,18 +164,28 @@ class DataLoader:
         self.step = int(start_step)
         self.synthetic = is_synthetic(spec)
         self._perm_epoch, self._perm = -1, None
+        self.eval_split = eval_split or None
+        self.held_out = self.train_rows = None  # None: every row trains (and synthetic data has no rows)
         if self.synthetic:
             self.tokens, self.num_rows, self.steps_per_epoch = None, None, None
             return
         self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
         self.num_rows = max(len(self.tokens) - 1, 0) // seq_len
-        if self.num_rows < global_batch_size:
+        n_train = self.num_rows
+        if self.eval_split:
+            self.held_out = held_out_rows(self.num_rows, self.eval_split)
+            keep = np.ones(self.num_rows, bool)
+            keep[self.held_out] = False
+            self.train_rows = np.flatnonzero(keep)
+            n_train = len(self.train_rows)
+        if n_train < global_batch_size:
+            held = f" ({len(self.held_out)} held out by --eval_split={self.eval_split})" if self.eval_split else ""
             raise UsageError(
-                f"dataset {spec!r} has {len(self.tokens)} tokens: {self.num_rows} rows of seq_len "
-                f"{seq_len} + 1, fewer than the global batch of {global_batch_size}; use a smaller "
+                f"dataset {spec!r} has {len(self.tokens)} tokens: {n_train} training rows of seq_len "
+                f"{seq_len} + 1{held}, fewer than the global batch of {global_batch_size}; use a smaller "
                 f"batch or seq_len, or a bigger dataset"
             )
-        self.steps_per_epoch = self.num_rows // global_batch_size
+        self.steps_per_epoch = n_train // global_batch_size
 
     @property
     def epoch(self) -> int:
@@ -179,11 +205,12 @@ class DataLoader:
         return pack_rows(rows, self.tokenizer.eos_id)
 
     def _permutation(self, epoch: int) -> np.ndarray:
+        """The epoch's order of the training rows (all rows, or those not held out)."""
         if epoch != self._perm_epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._perm = (
-                rng.permutation(self.num_rows) if self.shuffle else np.arange(self.num_rows)
-            )
+            n = self.num_rows if self.train_rows is None else len(self.train_rows)
+            order = rng.permutation(n) if self.shuffle else np.arange(n)
+            self._perm = order if self.train_rows is None else self.train_rows[order]
             self._perm_epoch = epoch
         return self._perm
 
@@ -217,13 +244,16 @@ class DataLoader:
 
     def state(self) -> dict[str, int]:
         """The data position, to store in a checkpoint: the step of the next batch, and the
-        epoch, seed and row count for checking."""
-        return {
+        epoch, seed, row count and held-out row count for checking."""
+        state = {
             "step": self.step,
             "epoch": self.epoch,
             "seed": self.seed,
             "rows": self.num_rows or 0,
         }
+        if self.held_out is not None:
+            state.update(held_out=len(self.held_out), eval_split=self.eval_split)
+        return state
 
     def restore(self, state: dict) -> None:
         """Continue from a `state()`: the next batch is the one a fresh loader gives at its step."""
@@ -236,6 +266,14 @@ class DataLoader:
             raise UsageError(
                 f"the checkpoint was trained on {state['rows']} rows of data but {self.spec!r} "
                 f"gives {self.num_rows}; resume with the same dataset, tokenizer and seq_len"
+            )
+        held, split = int(state.get("held_out", 0)), state.get("eval_split")
+        if held != (0 if self.held_out is None else len(self.held_out)):
+            was = f"with --eval_split={split} ({held} rows held out)" if held else "without --eval_split"
+            now = f"--eval_split={self.eval_split}" if self.eval_split else "no --eval_split"
+            raise UsageError(
+                f"the checkpoint was trained {was} but this run has {now}; resume {was.split(' (')[0]} "
+                f"(the training rows must not change under a run), or use --eval_dataset"
             )
         self.step = int(state["step"])
 
@@ -260,8 +298,10 @@ def make_loader(
     start_step: int = 0,
     cache_dir: str | os.PathLike | None = None,
     text_field: str = "text",
+    eval_split: float | None = None,
 ) -> DataLoader:
-    """A `DataLoader` for a `--dataset` spec (`stdlib`, `synthetic`, a path or glob, `hf:NAME`)."""
+    """A `DataLoader` for a `--dataset` spec (`stdlib`, `synthetic`, a path or glob, `hf:NAME`);
+    with `eval_split`, that share of the rows is held out of training (`meshlm.data.heldout`)."""
     return DataLoader(
         dataset,
         tokenizer,
@@ -274,6 +314,7 @@ def make_loader(
         start_step=start_step,
         cache_dir=cache_dir,
         text_field=text_field,
+        eval_split=eval_split,
     )
 
 

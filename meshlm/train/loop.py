@@ -1,7 +1,10 @@
-"""`train(cfg)`: the training loop over the library pieces (job, state, step, data, metrics, checkpoints).
+"""`train(cfg)`: the training loop over the library pieces (job, state, step, data, evaluation, metrics,
+checkpoints).
 
 `meshlm.job.resolve` turns the `TrainConfig` (meshlm.config) into a model placed on the mesh; this
-module reads the data, restores or initialises the state, runs the jitted step and logs.
+module reads the data, restores or initialises the state, runs the jitted step, evaluates and logs.
+A run whose checkpoint is already at `--steps` stops before any of that, saying so
+(`meshlm.train.report` words every message about the run).
 """
 
 from __future__ import annotations
@@ -52,26 +55,47 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     return distributed.run_here(cluster, lambda _main: _train(cfg, console), cfg.devices, cfg.connect_timeout)
 
 
+def _latest_step(directory: Path) -> int | None:
+    """The newest complete checkpoint's step in `directory`, or None (nothing is created or left running)."""
+    if not directory.is_dir():
+        return None
+    from meshlm.checkpoint.manager import Checkpointer
+
+    probe = Checkpointer(directory, async_save=False)
+    try:
+        return probe.latest_step()
+    finally:
+        probe.close()
+
+
 def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     import jax
-    from rich.console import Console
 
     from meshlm import data, job as joblib
     from meshlm.checkpoint.manager import Checkpointer
     from meshlm.models.configs import describe
-    from meshlm.train import metrics as M
+    from meshlm.train import metrics as M, report
+    from meshlm.train.console import plural, run_console
+    from meshlm.train.evaluate import Evaluator, eval_steps
     from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
     is_main = jax.process_index() == 0  # logs, progress and files come from process 0 only
-    console = console or Console(quiet=not is_main)
+    console = console or run_console(quiet=not is_main)
     # Every check that needs no data, before any data is read: model, mesh, pipeline, strategy, layouts.
     job = joblib.resolve(cfg)
     model_cfg, shape, dcn, pipeline, init_source = job.model, job.shape, job.dcn, job.pipeline, job.init_source
     strategy, rules, placement = job.strategy, job.rules, job.placement
     if cfg.mp_mesh_dim:
         console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
+    out = Path(cfg.output_dir)
+    latest = _latest_step(out / "checkpoints")
+    if latest is not None and latest >= cfg.steps:  # a finished run: say so, before any data or compile work
+        console.print(report.already_done(cfg.output_dir, latest, cfg.steps))
+        return {"interrupted": None, "already_done": True, "checkpoint_step": latest, "first_step": None,
+                "last_step": latest, "steps_run": 0, "first_loss": None, "final_loss": None, "compile_seconds": None,
+                "steps": cfg.steps, "mesh_dim": str(shape), "output_dir": str(out), "history": [], "evals": []}
     tokenizer_spec = cfg.tokenizer
     if tokenizer_spec is None and init_source is not None:
         found = [d for d in (init_source, init_source / "tokenizer") if (d / "tokenizer.json").is_file()]
@@ -86,23 +110,26 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     loader = data.make_loader(
         cfg.dataset, tokenizer, cfg.seq_len, cfg.batch_size,
         process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
+        eval_split=cfg.eval_split,  # None: every row trains, in the order it always had
     )
+    eval_batches = data.make_eval_batches(loader, cfg.eval_dataset, cfg.eval_batches) if cfg.evaluates else None
 
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, cfg.steps // 10)
+    schedule_steps = cfg.schedule_steps or cfg.steps
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, schedule_steps // 10)
     opt_cfg = OptimizerConfig(
-        lr=cfg.lr, warmup_steps=warmup, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio,
+        lr=cfg.lr, warmup_steps=warmup, total_steps=schedule_steps, min_lr_ratio=cfg.min_lr_ratio,
         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm,
     )
     optimizer = make_optimizer(opt_cfg)
     console.print(f"model: {cfg.model or init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
     console.print(
-        f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on {n_devices} "
-        f"{jax.devices()[0].platform} device(s); batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
+        f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on "
+        f"{plural(n_devices, jax.devices()[0].platform + ' device')}; batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"
     )
     if strategy.name != "default" or rules:
         groups = ", ".join(f"layers {g.key}: {g.strategy.name}" for g in placement.groups)
         console.print(f"strategy: {strategy.name}" + (f" ({groups})" if groups else "")
-                      + (f"; {len(rules.rules)} rule(s) from {rules.path}" if rules else "")
+                      + (f"; {plural(len(rules.rules), 'rule')} from {rules.path}" if rules else "")
                       + " — `meshlm explain` with the same flags shows every layout and collective")
     if pipeline is not None:
         console.print(f"pipeline: {pipeline.name}, {shape.pp} stages"
@@ -111,16 +138,27 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                       f"{pipeline.bubble():.1%} ((p-1)/(m·v+p-1) = {pipeline.theoretical_bubble():.1%}); "
                       f"at most {pipeline.act_slots} microbatch inputs stashed per stage")
     if jax.process_count() > 1:
-        console.print(f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
+        console.print(f"{plural(jax.process_count(), 'process')} × {plural(jax.local_device_count(), 'device')}; across hosts "
                       f"--dcn_mesh_dim={dcn} ({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})")
-    out = Path(cfg.output_dir)
-    run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "seed": cfg.seed,
-                "train": dataclasses.asdict(cfg)}
+    if eval_batches is not None:
+        console.print(f"eval: {plural(eval_batches.n_batches, 'batch')} of {cfg.batch_size} rows from "
+                      + (f"--eval_dataset={cfg.eval_dataset}" if cfg.eval_dataset else
+                         f"--eval_split={cfg.eval_split}" + (f" ({plural(len(loader.held_out), 'row')} held out of "
+                                                            f"training)" if loader.held_out is not None else
+                                                            " (synthetic: random rows no training step draws)"))
+                      + f", every {cfg.eval_every or max(1, cfg.steps // 10)} steps and after the last")
+    schedule = {"lr": cfg.lr, "warmup_steps": warmup, "total_steps": schedule_steps, "min_lr_ratio": cfg.min_lr_ratio}
+    run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "mesh": shape.flags, "seed": cfg.seed,
+                "schedule": schedule, "train": dataclasses.asdict(cfg)}
     checkpointer = Checkpointer(out / "checkpoints", keep=cfg.keep, save_every=cfg.save_every)
-    if checkpointer.latest_step() is not None:
-        state, data_state, _ = checkpointer.restore(abstract_state(placement, optimizer), expect_meta=run_meta)
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        state, data_state, saved_meta = checkpointer.restore(abstract_state(placement, optimizer), expect_meta=run_meta)
         loader.restore(data_state)
-        console.print(f"resumed from {checkpointer.directory / str(checkpointer.latest_step())} at step {int(state.step)}")
+        console.print(report.resumed(checkpointer.directory / str(latest), int(state.step), saved_meta, shape.flags))
+        change = report.schedule_change(report.schedule_of(saved_meta), schedule, int(state.step), cfg.steps)
+        if change:
+            console.print(change)
     elif init_source is not None:
         from meshlm.checkpoint.weights import load_params
 
@@ -131,6 +169,8 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     first_step = int(state.step) + 1
     step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline)
     perm = sequence_permutation(placement, cfg.seq_len)
+    evaluator = Evaluator(placement, eval_batches, perm) if eval_batches is not None else None
+    eval_due = eval_steps(cfg.eval_every, cfg.steps)
 
     peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
     console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
@@ -146,10 +186,11 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     history: list[dict] = []
+    evals: list[dict] = []
     compile_s = None
     stop = StopRequest()
     saved_at = first_step - 1
-    with stop, M.TrainProgress(cfg.steps, enabled=is_main) as progress:
+    with stop, M.TrainProgress(cfg.steps, enabled=is_main, console=console) as progress:
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(first_step, cfg.steps + 1):
             batch = put_batch(placement, next(loader), perm)
@@ -177,6 +218,14 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                 progress.update(step, row)
             else:
                 progress.update(step, None)
+            if evaluator is not None and eval_due(step) and not stop.requested:
+                jax.block_until_ready(state.params)  # the train steps' time stays theirs ...
+                t_eval = time.perf_counter()
+                result = logger.log_eval(step, evaluator(state.params))
+                evals.append(result)
+                if is_main:
+                    M.print_metrics_line(result, console=console)
+                t_last += time.perf_counter() - t_eval  # ... and the evaluation's is left out of tok/s
             if checkpointer.should_save(step) or stop.requested or step == cfg.steps:
                 checkpointer.save(step, state, loader.state(), run_meta)
                 saved_at = step
@@ -184,12 +233,14 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                 break
     checkpointer.close()  # waits for the last asynchronous save
     logger.close(title=f"{cfg.model or init_source or 'tiny'} on {shape.flags}")
-    if stop.requested:
-        console.print(f"received {stop.requested}: saved a checkpoint at step {saved_at} in "
-                      f"{checkpointer.directory / str(saved_at)}; run the same command to resume")
+    last_step = saved_at
     summary = {
         "interrupted": stop.requested,
+        "already_done": False,
         "checkpoint_step": saved_at,
+        "first_step": first_step,
+        "last_step": last_step,
+        "steps_run": last_step - first_step + 1,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
         "compile_seconds": compile_s,
@@ -197,10 +248,13 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         "mesh_dim": str(shape),
         "output_dir": str(out),
         "history": history,
+        "evals": evals,
     }
-    if is_main and history:
-        console.print(
-            f"done: loss {summary['first_loss']:.3f} → {summary['final_loss']:.3f} over {cfg.steps} steps; "
-            f"metrics in {out / 'metrics.jsonl'}, curve in {out / 'loss.png'}, TensorBoard in {out / 'tb'}"
-        )
+    if is_main:
+        for line in report.summary_lines(
+            first_step=first_step, last_step=last_step, total_steps=cfg.steps, history=history, evals=evals,
+            stopped=stop.requested, output_dir=cfg.output_dir,
+            checkpoint=out / "checkpoints" / str(saved_at) if saved_at >= first_step else None,
+        ):
+            console.print(line)
     return summary

@@ -1,4 +1,4 @@
-"""Training metrics: model FLOPs, peak FLOP/s, MFU, and where they are written (JSONL, TensorBoard, PNG, console).
+"""Training metrics: model FLOPs, peak FLOP/s, MFU, and where they are written (JSONL, TensorBoard, PNG).
 
     flops_per_token = model_flops_per_token(cfg, seq_len)
     peak, source = resolve_peak(args.peak_tflops, cfg.dtype)
@@ -8,7 +8,10 @@
     with TrainProgress(n, enabled=jax.process_index() == 0) as bar:
         ...  m = logger.log(step, loss=l, tokens=t, seconds=s, extra={"lr": lr, "grad_norm": g})
         ...  print_metrics_line(m); bar.update(step, m)
-    logger.close()
+        ...  e = logger.log_eval(step, {"eval_loss": 5.1, "eval_perplexity": 164.0, ...})
+    logger.close()   # loss.png: the whole run, read back from metrics.jsonl (meshlm.train.plot)
+
+The console side (one-line metrics, the progress bar) is meshlm.train.console.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
+from meshlm.train.console import TrainProgress, format_metrics, plural, print_metrics_line
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 
@@ -139,7 +143,7 @@ def resolve_peak(peak_tflops: float | None, dtype: str) -> tuple[float, str]:
         return probe, f"measured {dtype} 4096^2 matmul on {dev.device_kind} (not in the table; set --peak_tflops)"
     probe = matmul_probe(dtype, size=1024, seconds=1.0)
     n_local = jax.local_device_count()
-    return probe / n_local, f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {n_local} device(s)"
+    return probe / n_local, f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {plural(n_local, 'device')}"
 
 
 # ------------------------------------------------------------------------------------------- logging
@@ -164,8 +168,10 @@ def _json_safe(v: Any) -> Any:
 class MetricsLogger:
     """Derives throughput and MFU from (tokens, seconds) and writes `metrics.jsonl`, `tb/`, `loss.png`.
 
-    One JSON object per `log()` call, appended to OUTPUT_DIR/metrics.jsonl (so a resumed run
-    continues the file); non-finite numbers are written as null. `enabled=False` (every process but
+    One JSON object per `log()` or `log_eval()` call, appended to OUTPUT_DIR/metrics.jsonl (so a resumed
+    run continues the file; evaluation rows have `eval_loss` and no `loss`); non-finite numbers are
+    written as null. `close()` plots every row of the file, the steps of earlier runs of the same
+    output_dir included. `enabled=False` (every process but
     0 in a multi-host run) creates and writes nothing; `log()` still returns the metrics dict.
     """
 
@@ -179,7 +185,11 @@ class MetricsLogger:
         self._file = self._tb = None
         if enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
+            path = self.output_dir / "metrics.jsonl"
+            torn = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+            self._file = open(path, "a", buffering=1)
+            if torn:  # a run killed mid-line: the next row starts on a line of its own
+                self._file.write("\n")
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.output_dir / "tb"))
@@ -200,37 +210,33 @@ class MetricsLogger:
         if not self.enabled:
             return m
         self.history.append((m["step"], m["loss"]))
+        self._write(m)
+        return m
+
+    def log_eval(self, step: int, result: dict) -> dict:
+        """Record one evaluation (`meshlm.train.evaluate.Evaluator`'s result); TensorBoard tags `eval/...`."""
+        m = {"step": int(step), **{k: _number(v) for k, v in result.items()}}
+        if self.enabled:
+            self._write(m, prefix=lambda k: k.replace("eval_", "eval/", 1))
+        return m
+
+    def _write(self, m: dict, prefix=lambda k: k) -> None:
         self._file.write(json.dumps({k: _json_safe(v) for k, v in m.items()}, allow_nan=False) + "\n")
         for k, v in m.items():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self._tb.add_scalar(k, v, m["step"])
-        return m
+                self._tb.add_scalar(prefix(k), v, m["step"])
 
     def close(self, title: str | None = None) -> None:
-        """Write the loss curve OUTPUT_DIR/loss.png and flush/close the files. Safe to call twice."""
+        """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""
         if not self.enabled or self._file is None:
             return
-        if self.history:
-            self._plot(title if title is not None else self.title)
         self._tb.close()
         self._file.close()
         self._file = self._tb = None
+        from meshlm.train.plot import plot_run, read_metrics
 
-    def _plot(self, title: str) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg without touching pyplot's global state
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(7, 4), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        steps, losses = zip(*self.history)
-        ax.plot(steps, losses, marker="." if len(steps) < 50 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title(title or "training loss")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(self.output_dir / "loss.png")
+        plot_run(self.output_dir / "loss.png", read_metrics(self.output_dir / "metrics.jsonl"),
+                 title if title is not None else self.title)
 
     def __enter__(self) -> "MetricsLogger":
         return self
@@ -239,85 +245,7 @@ class MetricsLogger:
         self.close()
 
 
-# ------------------------------------------------------------------------------------------- console
-
-_console = None
-
-
-def _get_console():
-    global _console
-    if _console is None:
-        from rich.console import Console
-
-        _console = Console()  # writes to whatever sys.stdout is at print time
-    return _console
-
-
-def format_metrics(m: dict) -> str:
-    """One readable line: step, loss, tokens/s, TFLOP/s per device, MFU, and lr / grad norm if present."""
-    parts = [f"step {m['step']:>6}", f"loss {m['loss']:.4f}" if m.get("loss") is not None else "loss -"]
-    parts += [f"{m['tokens_per_s']:,.0f} tok/s", f"{m['tflops_per_device']:.3f} TFLOP/s/dev", f"MFU {m['mfu']:.1%}"]
-    if m.get("lr") is not None:
-        parts.append(f"lr {m['lr']:.2e}")
-    if m.get("grad_norm") is not None:
-        parts.append(f"gnorm {m['grad_norm']:.3f}")
-    return " | ".join(parts)
-
-
-def print_metrics_line(metrics: dict, console: Any = None) -> None:
-    """Print one metrics line; it goes above a running `TrainProgress` bar, so the log stays readable."""
-    (console or _get_console()).print(format_metrics(metrics), highlight=False, markup=False, soft_wrap=True)
-
-
-class TrainProgress:
-    """A rich progress bar: step/total, elapsed, ETA and the latest loss, tok/s and MFU.
-
-    Not on a TTY (CI, a log file) rich draws nothing while running and prints the final bar once,
-    so only `print_metrics_line` lines reach the log. `enabled=False` makes every method a no-op.
-    """
-
-    def __init__(self, total_steps: int, enabled: bool = True, console: Any = None):
-        self.total_steps, self.enabled = total_steps, enabled
-        self._progress = self._task = None
-        self._console = console
-
-    def __enter__(self) -> "TrainProgress":
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            from rich.progress import TimeElapsedColumn, TimeRemainingColumn
-
-            self._progress = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
-                TimeRemainingColumn(), TextColumn("{task.description}"),
-                console=self._console or _get_console(), transient=False, refresh_per_second=2,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("", total=self.total_steps)
-        return self
-
-    def update(self, step: int, metrics: dict | None = None) -> None:
-        """Move the bar to `step`; with `metrics`, show its loss, tok/s and MFU."""
-        if self._progress is None:
-            return
-        desc = None
-        if metrics:
-            loss = metrics.get("loss")
-            desc = (f"loss {loss:.4f}" if loss is not None else "loss -") + (
-                f" | {metrics['tokens_per_s']:,.0f} tok/s | MFU {metrics['mfu']:.1%}")
-        self._progress.update(self._task, completed=step, **({"description": desc} if desc else {}))
-
-    def print_metrics(self, metrics: dict) -> None:
-        """`print_metrics_line` on this bar's console, if enabled."""
-        if self.enabled:
-            print_metrics_line(metrics, self._console)
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
 __all__ = [
     "model_flops_per_token", "step_flops", "PEAK_TABLE", "detect_peak_flops", "matmul_probe", "resolve_peak",
-    "MetricsLogger", "TrainProgress", "print_metrics_line", "format_metrics",
+    "MetricsLogger", "TrainProgress", "print_metrics_line", "format_metrics",  # the last three: meshlm.train.console
 ]
