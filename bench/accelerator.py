@@ -47,8 +47,9 @@ from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.configs import resolve_model  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
 from meshlm.ops import kernels  # noqa: E402
-from meshlm.train.metrics import model_flops_per_token, resolve_peak  # noqa: E402
-from meshlm.train.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from meshlm.flops import model_flops_per_token  # noqa: E402
+from meshlm.train.metrics import resolve_peak  # noqa: E402
+from meshlm.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from meshlm.train.state import TrainState, create_train_state, state_shardings  # noqa: E402
 from meshlm.train.step import loss_sums  # noqa: E402
 

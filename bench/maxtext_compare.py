@@ -97,7 +97,7 @@ import jax, numpy as np
 from meshlm.config import TrainConfig
 from meshlm.data import pack_rows
 from meshlm.job import resolve
-from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
 from meshlm.train.state import create_train_state
 from meshlm.train.step import make_train_step, put_batch
 layers, d, heads, hd, mlp, vocab, seq, batch, mesh_dim, last = json.loads(sys.argv[1])

@@ -99,16 +99,29 @@ def check_context(seq_len: int, model: ModelConfig) -> None:
 
 def pipeline_schedule(cfg: TrainConfig, shape: MeshShape, n_layers: int):
     """The `--pp` flags checked (one line each, before anything compiles) and the schedule they give."""
-    from meshlm.ops.pipeline import build_schedule, check
+    from meshlm.ops.pipeline import schedule_for_job
 
-    micro = cfg.microbatches or 2 * shape.pp
-    check(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages, n_layers)
-    if cfg.grad_accum > 1:
-        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
-    if cfg.batch_size % (micro * shape.data):
-        raise UsageError(f"--batch_size={cfg.batch_size} does not split into --microbatches={micro} of rows "
-                         f"divisible by dp×fsdp = {shape.data}; use a multiple of {micro * shape.data}")
-    return build_schedule(cfg.pipeline_schedule, shape.pp, micro, cfg.virtual_stages)
+    return schedule_for_job(cfg.pipeline_schedule, shape.pp, cfg.microbatches, cfg.virtual_stages, n_layers,
+                            cfg.batch_size, cfg.grad_accum, shape.data)
+
+
+def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> str:
+    """What `--remat=auto` means for this job on this mesh: `none` on CPU (host memory is the limit
+    there, and recomputing costs the most); on GPU and TPU the least recomputation whose peak, as
+    `meshlm plan` predicts it, fits what JAX may use of one device (`meshlm.plan.remat.first_fitting`)."""
+    import jax
+
+    from meshlm.plan.job import Job as PlanJob, PipelineFlags
+    from meshlm.plan.remat import first_fitting
+    from meshlm.plan.search import HEADROOM
+
+    device = device or jax.devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    if not limit:
+        return "none"
+    flags = PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
+    job = PlanJob(model, cfg.batch_size, cfg.seq_len, shape.n_devices, cfg.grad_accum, flags)
+    return first_fitting(job, shape, limit * (1 - HEADROOM))[0]
 
 
 def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
@@ -167,12 +180,15 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
 
     cfg.validate()
     model, init_source = resolve_model(cfg)
-    if output:
-        check_output(cfg, model)
+    # The checks that read nothing first, then the run folder and the checkpoint in it.
     shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim,
                                         jax.device_count(), jax.process_count(), cfg.pp)
     pipeline = pipeline_schedule(cfg, shape, model.n_layers) if shape.pp > 1 else None
     check_mesh(cfg, shape, model)
+    if output:
+        check_output(cfg, model)
+    if model.remat == "auto":
+        model = model.replace(remat=auto_remat(cfg, model, shape))
     strategy, rules = choose_strategy(cfg, shape, pipeline is not None)
     if init_source is not None and rules and rules.layers:
         raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")

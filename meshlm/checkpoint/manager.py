@@ -208,8 +208,8 @@ def check_run_folder(output_dir: str | Path, model: dict) -> None:
     (`model`: dataclasses.asdict of its ModelConfig). A checkpoint whose metadata cannot be read is
     left to the restore, which names it."""
     directory = Path(output_dir).expanduser().absolute() / "checkpoints"
-    if not directory.is_dir():
-        return
+    if not directory.is_dir() or not any(p.name.isdigit() for p in directory.iterdir()):
+        return  # nothing saved yet: no need to start Orbax (its threads outlive a quick error exit)
     ckpt = Checkpointer(directory, async_save=False)
     try:
         step = ckpt.latest_step()

@@ -166,7 +166,7 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
     plans, rejected = search.search(job, hw, only, pps)
 
     if args.verify:
-        from meshlm.plan.verify import verify
+        from meshlm.explain.verify import verify
 
         verify(job, plans, args.verify, hw.name)
     if not prints:

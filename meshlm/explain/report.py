@@ -25,7 +25,7 @@ class CompiledStep:
 
 
 def compile_step(job: Job, cfg: TrainConfig) -> CompiledStep:
-    from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+    from meshlm.optimizer import OptimizerConfig, make_optimizer
     from meshlm.train.state import abstract_state
     from meshlm.train.step import abstract_batch, compile_step as compile_train_step, make_train_step
 

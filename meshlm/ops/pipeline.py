@@ -89,6 +89,20 @@ class Schedule:
         return (p - 1) / (m * v + p - 1)
 
 
+def schedule_for_job(name: str, pp: int, microbatches: int | None, virtual: int, n_layers: int, batch_size: int,
+                     grad_accum: int, data: int):
+    """The `--pp` flags checked against the job (one line each, before anything compiles) and the schedule
+    they give. `microbatches` None: 2 × pp; `data`: dp × fsdp, the ways each micro-batch's rows split."""
+    micro = microbatches or 2 * pp
+    check(name, pp, micro, virtual, n_layers)
+    if grad_accum > 1:
+        raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
+    if batch_size % (micro * data):
+        raise UsageError(f"--batch_size={batch_size} does not split into --microbatches={micro} of rows "
+                         f"divisible by dp×fsdp = {data}; use a multiple of {micro * data}")
+    return build_schedule(name, pp, micro, virtual)
+
+
 def check(name: str, pp: int, microbatches: int, virtual: int, n_layers: int | None = None) -> None:
     """The pipeline flags, checked before anything compiles; one line naming the fix."""
     if name not in SCHEDULES:

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, replace
 
 from meshlm.errors import UsageError
-from meshlm.train.metrics import detect_peak_flops
+from meshlm.flops import detect_peak_flops
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,13 @@ def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
 def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     """This machine's CPU shared by `n_devices` simulated devices, every figure measured.
 
-    Compute: the peak `meshlm train` uses for MFU on CPU (`meshlm.train.metrics.matmul_probe`, the same
+    Compute: the peak `meshlm train` uses for MFU on CPU (`meshlm.flops.matmul_probe`, the same
     size and duration, split evenly among the devices), so the two MFUs share one definition. It is
     measured on each run, so on a busy machine it moves between runs; `--peak_tflops` pins it.
     Memory: physical RAM split evenly. Links: simulated collectives are memory copies, so both
     domains get the measured copy bandwidth split among the devices.
     """
-    from meshlm.train.metrics import matmul_probe
+    from meshlm.flops import matmul_probe
 
     probe = matmul_probe(dtype, size=1024, seconds=1.0)
     peak = probe / n_devices

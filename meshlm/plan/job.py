@@ -54,13 +54,11 @@ def pipeline_problem(flags: PipelineFlags, shape: MeshShape, n_layers: int, batc
 @lru_cache(maxsize=256)
 def _pipeline_problem(flags: PipelineFlags, pp: int, data: int, n_layers: int, batch_size: int,
                       grad_accum: int) -> str | None:
-    from meshlm.config import TrainConfig
-    from meshlm.job import pipeline_schedule
+    from meshlm.ops.pipeline import schedule_for_job
 
-    cfg = TrainConfig(pp=pp, pipeline_schedule=flags.schedule, microbatches=flags.microbatches,
-                      virtual_stages=flags.virtual_stages, batch_size=batch_size, grad_accum=grad_accum)
     try:
-        pipeline_schedule(cfg, MeshShape(fsdp=data, pp=pp), n_layers)
+        schedule_for_job(flags.schedule, pp, flags.microbatches, flags.virtual_stages, n_layers, batch_size,
+                         grad_accum, data)
     except UsageError as e:
         return str(e)
     return None

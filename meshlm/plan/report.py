@@ -14,7 +14,9 @@ PIE = ("params", "gradients", "optimizer", "activations", "temporaries")
 
 def train_command(job: Job, plan: Plan, model_flags: list[str], hw: Hardware | None = None) -> str:
     """The `meshlm train` line that runs this plan (on CPU with `--devices`, the simulated devices it
-    needs, and a pinned peak with the `--peak_tflops` the plan used)."""
+    needs, and a pinned peak with the `--peak_tflops` the plan used). The remat policy and
+    --grad_accum are the plan's own (what `--remat=auto` chose on this mesh)."""
+    job = plan.job
     parts = ["meshlm train", *model_flags, f"--mesh_dim={plan.mesh_dim}"]
     if hw is not None and hw.name == "cpu":
         parts.append(f"--devices={job.n_devices}")
@@ -65,6 +67,8 @@ def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int, hw: Hardw
         "mesh": plan.shape.as_dict(),
         "command": train_command(job, plan, model_flags, hw),
         "fits": plan.fits,
+        "remat": plan.job.cfg.remat,
+        "grad_accum": plan.job.grad_accum,
         "axes_inside_fast_domain": {axis: inner for axis, (inner, _) in plan.placement.items()},
         "predicted": {
             "memory_bytes_per_device": plan.memory.as_dict(),
@@ -141,7 +145,9 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     staged = any(p.pipeline for p in shown)
     table = Table(title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
                         "(params + gradients + optimizer + activations + temporaries)")
-    columns = ["#", "mesh_dim", *(("pp", "bubble", "xfer GB") if staged else ()), "memory", "pie", "fits", "step s",
+    searched = c.remat == "auto"  # each row's policy (and micro-batches) is the search's
+    columns = ["#", "mesh_dim", *(("pp", "bubble", "xfer GB") if staged else ()), *(("remat",) if searched else ()),
+               "memory", "pie", "fits", "step s",
                "tokens/s", "MFU", "comm-bound"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("mesh_dim", "pp", "pie", "comm-bound") else "right")
@@ -155,6 +161,8 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
             pl = p.pipeline
             row += ([f"{pl.pp} {pl.schedule.name} M={pl.microbatches}" + (f" V={pl.schedule.virtual}" if pl.schedule.virtual > 1 else ""),
                      f"{pl.bubble:.0%}", _gb(pl.transfer_bytes)] if pl else ["-", "-", "-"])
+        if searched:
+            row.append(p.job.cfg.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
         row += [_gb(m["total"]), " + ".join(_gb(m[k]) for k in PIE), "yes" if p.fits else "[red]no[/]",
                 f"{p.time.step_s:.3g}", f"{p.time.tokens_per_s:,.0f}", f"{p.time.mfu:.0%}",
                 ", ".join(op.name for op in p.comm_bound) or "-"]

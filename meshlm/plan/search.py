@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, all_mesh_shapes
-from meshlm.plan import comms, cost, estimate, pipeline
+from meshlm.plan import comms, cost, estimate, pipeline, remat
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 from meshlm.plan.pipeline import PipelinePlan
@@ -23,6 +23,7 @@ HEADROOM = 0.05
 
 @dataclass
 class Plan:
+    job: Job  # the job as planned on this mesh: `--remat=auto` filled in, maybe more --grad_accum
     shape: MeshShape
     memory: memory.MemoryPie
     collectives: list[comms.Collective]
@@ -31,7 +32,7 @@ class Plan:
     fits: bool
     placement: dict[str, tuple[int, int]]  # per axis: (devices inside a fast domain, fast domains)
     pipeline: PipelinePlan | None = None  # the schedule, stages and transfers when pp > 1
-    compiled: dict | None = field(default=None)  # filled by meshlm.plan.verify
+    compiled: dict | None = field(default=None)  # filled by meshlm.explain.verify
 
     @property
     def mesh_dim(self) -> str:
@@ -66,7 +67,21 @@ def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
         stages.transfer_s = sum(comms.wire_seconds(c, shape, hw) for c in transfers)
         split = comms.axis_split(shape, hw)["pp"]
         stages.link = hw.slow_name if split[1] > 1 else hw.fast_name
-    return Plan(shape, pie, collectives, ops, time, fits, comms.axis_split(shape, hw), stages)
+    return Plan(job, shape, pie, collectives, ops, time, fits, comms.axis_split(shape, hw), stages)
+
+
+def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
+    """The plan for this mesh: with `--remat=auto`, the fastest policy that fits at the fewest
+    gradient-accumulation micro-batches that make one fit (`meshlm.plan.remat`); the smallest if none does."""
+    smallest = None
+    for trials in remat.variants(job, shape):
+        plans = [evaluate(trial, shape, hw) for trial in trials]
+        fitting = [p for p in plans if p.fits]
+        if fitting:
+            return min(fitting, key=lambda p: p.time.step_s)
+        least = min(plans, key=lambda p: p.memory.total)
+        smallest = least if smallest is None or least.memory.total < smallest.memory.total else smallest
+    return smallest
 
 
 def label(shape: MeshShape) -> str:
@@ -110,7 +125,7 @@ def search(job: Job, hw: Hardware, mesh_dim: MeshShape | None = None,
     valid, rejected = candidate_shapes(job, mesh_dim, pps)
     if not valid:
         raise UsageError(_no_valid_mesh(job, rejected, mesh_dim, pps))
-    plans = sorted((evaluate(job, s, hw) for s in valid), key=_rank_key)
+    plans = sorted((best_on(job, s, hw) for s in valid), key=_rank_key)
     if not plans[0].fits:
         raise UsageError(_nothing_fits(job, hw, min(plans, key=lambda p: p.memory.total), mesh_dim, pps))
     return plans, rejected
@@ -141,10 +156,13 @@ def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | Non
 
 def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None, pps: tuple[int, ...] = (1,)) -> str:
     budget = hw.hbm_bytes * (1 - HEADROOM)
-    head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}) "
-            f"needs {_gb(best.memory.total)} per device")
+    searched = job.cfg.remat == "auto"
+    head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}"
+            f"{' --remat=' + best.job.cfg.remat if searched else ''}) needs {_gb(best.memory.total)} per device")
+    if searched:  # every policy and more micro-batches were tried: what is left is more devices or pipelines
+        job = best.job
     tries = []
-    if job.cfg.remat != "full":
+    if job.cfg.remat != "full" and not searched:
         tries.append(("--remat=full", replace(job, cfg=job.cfg.replace(remat="full")), pps))
     for accum in (2, 4, 8, 16):
         if job.batch_size % accum == 0 and accum > job.grad_accum and pps == (1,):

@@ -90,7 +90,7 @@ class StateBytes:
 @lru_cache(maxsize=8)
 def state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
     """Cached `StateBytes` for a model with meshlm's optimizer (AdamW, clipping as `meshlm train`)."""
-    from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+    from meshlm.optimizer import OptimizerConfig, make_optimizer
 
     return StateBytes(cfg, make_optimizer(OptimizerConfig()))
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from meshlm.config import TrainConfig
 from meshlm.errors import UsageError
+from meshlm.flops import model_flops_per_token
 
 
 class StopRequest:
@@ -77,7 +78,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     from meshlm.train import metrics as M, report
     from meshlm.train.console import plural, run_console
     from meshlm.train.evaluate import Evaluator, eval_steps
-    from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+    from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
@@ -175,7 +176,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
     console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
     logger = M.MetricsLogger(
-        out, flops_per_token=M.model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
+        out, flops_per_token=model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
         n_devices=n_devices, total_steps=cfg.steps, log_every=cfg.log_every, enabled=is_main,
     )
     if is_main:

@@ -61,7 +61,7 @@ def schedule_change(before: dict | None, now: dict, step: int, steps: int) -> st
     flags that keep the original schedule; None when the schedule is the same."""
     if before is None or (before["total_steps"], before["warmup_steps"]) == (now["total_steps"], now["warmup_steps"]):
         return None
-    from meshlm.train.optimizer import OptimizerConfig, lr_schedule
+    from meshlm.optimizer import OptimizerConfig, lr_schedule
 
     def rate(s: dict) -> float:
         cfg = OptimizerConfig(lr=s.get("lr") or now["lr"], warmup_steps=s["warmup_steps"], total_steps=s["total_steps"],

@@ -15,7 +15,7 @@ from meshlm.models.loss import head_loss_sums, num_chunks, project, token_loss_s
 from meshlm.models.placement import place
 from meshlm.ops.pipeline import build_schedule
 from meshlm.strategy import choose
-from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, loss_sums, make_loss_grads, make_train_step, put_batch, sequence_permutation
 from tests.support.training import make_batches, mesh_for

@@ -12,7 +12,7 @@ from meshlm.models.llama import REMAT_POLICIES
 from meshlm.models.pipelined import from_stages, pipelined_loss_and_grads, to_stages
 from meshlm.models.placement import place
 from meshlm.ops.pipeline import build_schedule
-from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, loss_sums, make_train_step
 

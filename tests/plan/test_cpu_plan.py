@@ -13,6 +13,7 @@ JOB = ["plan", "--model=test", "--devices=8", "--batch_size=8", "--seq_len=32", 
 @pytest.fixture
 def fixed_probe(monkeypatch):
     """Both peaks from one fake probe that records how it was asked."""
+    from meshlm import flops
     from meshlm.train import metrics
 
     calls = []
@@ -21,7 +22,8 @@ def fixed_probe(monkeypatch):
         calls.append((dtype, size, seconds))
         return 80e9
 
-    monkeypatch.setattr(metrics, "matmul_probe", probe)
+    monkeypatch.setattr(flops, "matmul_probe", probe)  # what plan calls
+    monkeypatch.setattr(metrics, "matmul_probe", probe)  # what train calls
     return calls
 
 

@@ -15,7 +15,7 @@ from meshlm.plan.job import Job, PipelineFlags
 PLAN = Path(__file__).resolve().parents[2] / "meshlm" / "plan"
 FLAT = ("memory", "comms", "cost", "state_bytes")
 ABOVE_FLAT = ("meshlm.plan.pipeline", "meshlm.plan.schedule", "meshlm.plan.estimate", "meshlm.plan.search",
-              "meshlm.plan.verify", "meshlm.plan.report")
+              "meshlm.explain.verify", "meshlm.plan.report")
 
 
 def imported(module: str) -> set[str]:

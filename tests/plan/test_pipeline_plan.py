@@ -50,7 +50,7 @@ def compile_grid():
     """{case id: (job, shape, compiled figures)}: one compile per case."""
     import jax
 
-    from meshlm.plan.verify import compile_placed, measure, stage_transfer_bytes
+    from meshlm.explain.verify import compile_placed, measure, stage_transfer_bytes
 
     out = {}
     for case, name in zip(GRID, IDS):
@@ -69,7 +69,7 @@ def compiled():
 
 def errors(job, shape, got) -> tuple[float, float]:
     """(memory, stage transfers) prediction errors in percent of the compiled figures."""
-    from meshlm.plan.verify import error_percent
+    from meshlm.explain.verify import error_percent
 
     plan = search.evaluate(job, shape, CATALOG["h100"])
     return (error_percent(plan.memory.total, got["peak_memory_bytes"]),
@@ -290,7 +290,7 @@ def fit_set() -> None:
     import jax
 
     from meshlm.plan import comms
-    from meshlm.plan.verify import compile_placed, error_percent, measure, stage_transfer_bytes
+    from meshlm.explain.verify import compile_placed, error_percent, measure, stage_transfer_bytes
 
     mem, coll, xfer = [], [], []
     for model, mesh_dim, pp, schedule, M, V, batch, seq, remat in FIT_CASES:

@@ -9,7 +9,7 @@ from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
 from meshlm.strategy import choose
-from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
 from meshlm.train.state import create_train_state
 from meshlm.train.step import compile_step, make_train_step, put_batch, sequence_permutation
 

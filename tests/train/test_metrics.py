@@ -11,10 +11,8 @@ from rich.console import Console
 
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
-from meshlm.train.metrics import (
-    MetricsLogger, TrainProgress, detect_peak_flops, matmul_probe, model_flops_per_token, print_metrics_line,
-    resolve_peak, step_flops,
-)
+from meshlm.flops import detect_peak_flops, matmul_probe, model_flops_per_token, step_flops
+from meshlm.train.metrics import MetricsLogger, TrainProgress, print_metrics_line, resolve_peak
 
 # vocab 256, d_model 64, 2 layers, 8 heads (4 kv) x head_dim 8, mlp 128.
 CFG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, mlp_dim=128, max_seq_len=512)

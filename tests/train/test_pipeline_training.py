@@ -14,7 +14,7 @@ from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
 from meshlm.ops.pipeline import build_schedule
-from meshlm.train.optimizer import OptimizerConfig, make_optimizer
+from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, make_train_step
 from meshlm.train.loop import TrainConfig, train

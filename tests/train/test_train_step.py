@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from meshlm.models.placement import place
-from meshlm.train.optimizer import make_optimizer
+from meshlm.optimizer import make_optimizer
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, put_batch
 from tests.support.training import CFG, LR, OPT, STEPS, make_batches, mesh_for, run
@@ -94,7 +94,7 @@ def test_every_parameter_sharding_matches_the_table(runs, dims):
 
 
 def test_optimizer_skips_weight_decay_on_norms():
-    from meshlm.train.optimizer import decay_mask
+    from meshlm.optimizer import decay_mask
 
     mask = dict(flat_params(decay_mask(place(CFG, mesh_for("1,1,1,1")).shapes)))
     assert not mask["final_norm/scale"] and not mask["layers/attn_norm/scale"]

@@ -79,7 +79,7 @@ def compile_placed(job: Job, shape: MeshShape, devices: list[Any]):
     from meshlm import sharding
     from meshlm.mesh import build_mesh
     from meshlm.models.placement import place
-    from meshlm.train.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+    from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state
     from meshlm.train.step import BATCH_KEYS, make_train_step
 
@@ -125,7 +125,7 @@ def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
     devices, where = target_devices(job.n_devices, hardware)
     for plan in plans[:k]:
         t0 = time.perf_counter()
-        compiled, placement = compile_placed(job, plan.shape, devices)
+        compiled, placement = compile_placed(plan.job, plan.shape, devices)
         got = measure(compiled)
         got["compile_seconds"] = round(time.perf_counter() - t0, 2)
         predicted_coll = plan.collective_bytes["total"]

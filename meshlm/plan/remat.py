@@ -1,0 +1,57 @@
+"""`--remat=auto`: which rematerialisation policy (and, in `meshlm plan`, how many gradient-accumulation
+micro-batches) a job needs on a mesh.
+
+The policies, from the least recomputation to the most (and, roughly, the most memory to the least):
+
+    none           every activation the backward needs is kept
+    save_dots      matmul outputs kept, the elementwise work between them recomputed
+    save_attn      q, k, v, the attention output and its projection kept: the MLP recomputed
+    save_qkv_attn  q, k, v and the attention output kept: the MLP and the output projection recomputed
+    full           only each layer's input kept: the whole layer recomputed
+
+`meshlm plan` rates each with the cost model and keeps the fastest that fits; `meshlm train` (which
+has no step-time model of the machine it runs on) takes the first in this order whose predicted peak
+fits the device's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshlm.mesh import MeshShape
+from meshlm.plan import estimate
+from meshlm.plan.job import Job
+
+POLICIES = ("none", "save_dots", "save_attn", "save_qkv_attn", "full")
+ACCUMS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def with_remat(job: Job, policy: str) -> Job:
+    return replace(job, cfg=job.cfg.replace(remat=policy))
+
+
+def variants(job: Job, shape: MeshShape):
+    """The jobs `auto` tries on this mesh, one list per gradient-accumulation count (the user's
+    first, then more when the micro-batch still divides over the data axes; pipelines keep theirs):
+    every policy for each."""
+    if job.cfg.remat != "auto":
+        yield [job]
+        return
+    accums = [job.grad_accum] if shape.pp > 1 else \
+        [a for a in ACCUMS if a >= job.grad_accum and job.batch_size % a == 0]
+    for accum in accums:
+        trial = replace(job, grad_accum=accum)
+        if accum != job.grad_accum and trial.problem(shape):
+            continue
+        yield [with_remat(trial, p) for p in POLICIES]
+
+
+def first_fitting(job: Job, shape: MeshShape, budget_bytes: float) -> tuple[str, float]:
+    """(policy, predicted peak bytes per device): the least recomputation whose peak fits `budget_bytes`,
+    else `full` (the smallest) with its peak, for the caller to report."""
+    peak = 0.0
+    for policy in POLICIES:
+        peak = estimate.memory_pie(with_remat(job, policy), shape).total
+        if peak <= budget_bytes:
+            return policy, peak
+    return "full", peak

@@ -1,0 +1,111 @@
+"""`--remat=auto`: plan searches the policy (and more gradient accumulation) per mesh and recommends a
+runnable command; train takes the least recomputation that fits the device (none on CPU)."""
+
+import json
+import time
+
+import pytest
+
+from meshlm.cli import main
+from meshlm.config import TrainConfig
+from meshlm.job import auto_remat, resolve_model
+from meshlm.mesh import MeshShape
+from meshlm.plan import estimate, remat, search
+from meshlm.plan.hardware import resolve_hardware
+from meshlm.plan.job import Job
+
+BIG = ["plan", "--model=llama2-70b", "--devices=256", "--hardware=h100", "--batch_size=512", "--seq_len=4096", "--json"]
+
+
+def _plan(capsys, *flags):
+    assert main(list(flags)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("flags", [BIG, ["plan", "--model=llama3-8b", "--devices=64", "--hardware=h100",
+                                         "--batch_size=256", "--seq_len=8192", "--json"]])
+def test_jobs_that_need_remat_get_a_runnable_command_without_naming_it(capsys, flags):
+    doc = _plan(capsys, *flags)
+    best = doc["plans"][0]
+    assert best["fits"] and best["remat"] in remat.POLICIES
+    command = doc["recommended"].split()
+    assert f"--remat={best['remat']}" in command and "--remat=auto" not in command
+    assert (f"--grad_accum={best['grad_accum']}" in command) == (best["grad_accum"] > 1)
+
+
+def test_naming_a_policy_keeps_it_and_explains_what_would_fit(capsys):
+    assert main([*BIG[:-1], "--remat=none"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "--remat=full" in err
+
+
+def test_search_takes_the_fastest_policy_that_fits_on_each_mesh():
+    cfg = TrainConfig(model="llama3-8b", batch_size=64, seq_len=8192)
+    model, _ = resolve_model(cfg, backend="accelerator")
+    job = Job(model, 64, 8192, 64)
+    hw = resolve_hardware("h100", 64)
+    shape = MeshShape(1, 64, 1, 1)
+    best = search.best_on(job, shape, hw)
+    every = [search.evaluate(remat.with_remat(job, p), shape, hw) for p in remat.POLICIES]
+    fitting = [p for p in every if p.fits]
+    assert fitting and best.fits
+    assert best.time.step_s == min(p.time.step_s for p in fitting)
+    assert best.job.cfg.remat in [p.job.cfg.remat for p in fitting]
+
+
+def test_more_micro_batches_when_no_policy_fits_at_one():
+    cfg = TrainConfig(model="llama2-70b", batch_size=512, seq_len=4096)
+    model, _ = resolve_model(cfg, backend="accelerator")
+    job = Job(model, 512, 4096, 64)
+    shape = MeshShape(1, 64, 1, 1)
+    budget = resolve_hardware("h100", 64).hbm_bytes * (1 - search.HEADROOM)
+    one = estimate.memory_pie(remat.with_remat(job, "full"), shape).total
+    assert one > budget  # full remat at 8 rows per device does not fit ...
+    plan = search.best_on(job, shape, resolve_hardware("h100", 64))
+    assert plan.fits and plan.job.grad_accum > 1  # ... a few micro-batches do
+    assert estimate.memory_pie(plan.job, shape).total <= budget
+
+
+def test_first_fitting_is_the_least_recomputation_under_the_budget():
+    cfg = TrainConfig(model="llama3-8b", batch_size=8, seq_len=8192)
+    model, _ = resolve_model(cfg, backend="accelerator")
+    job, shape = Job(model, 8, 8192, 8), MeshShape(1, 8, 1, 1)
+    peaks = {p: estimate.memory_pie(remat.with_remat(job, p), shape).total for p in remat.POLICIES}
+    assert peaks["none"] > peaks["full"]
+    for policy in remat.POLICIES:
+        budget = peaks[policy] + 1
+        chosen, peak = remat.first_fitting(job, shape, budget)
+        assert peak <= budget and all(peaks[p] > budget for p in remat.POLICIES[:remat.POLICIES.index(chosen)])
+    assert remat.first_fitting(job, shape, 1.0)[0] == "full"
+
+
+class _Device:
+    def __init__(self, platform, limit):
+        self.platform, self.limit = platform, limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_train_auto_is_none_on_cpu_and_the_fitting_policy_on_an_accelerator():
+    cfg = TrainConfig(model="llama3-8b", batch_size=8, seq_len=8192, dtype="bfloat16")
+    model, _ = resolve_model(cfg)
+    shape = MeshShape(1, 8, 1, 1)
+    assert model.remat == "auto"
+    assert auto_remat(cfg, model, shape, _Device("cpu", None)) == "none"
+    roomy, tight = _Device("gpu", 10**13), _Device("gpu", int(60e9))
+    assert auto_remat(cfg, model, shape, roomy) == "none"
+    chosen = auto_remat(cfg, model, shape, tight)
+    job = Job(model, 8, 8192, 8)
+    assert chosen != "none"
+    assert estimate.memory_pie(remat.with_remat(job, chosen), shape).total <= 60e9 * (1 - search.HEADROOM)
+
+
+def test_planning_70b_on_256_devices_is_fast():
+    cfg = TrainConfig(model="llama2-70b", batch_size=512, seq_len=4096)
+    model, _ = resolve_model(cfg, backend="accelerator")
+    job, hw = Job(model, 512, 4096, 256), resolve_hardware("h100", 256)
+    t0 = time.perf_counter()
+    plans, _ = search.search(job, hw)
+    assert time.perf_counter() - t0 < 5.0 and plans[0].fits
+    assert job.cfg.remat == "auto"  # the caller's job is left as it was
