@@ -166,7 +166,7 @@ class DataConfig:
 
     dataset: str = _flag("stdlib", "stdlib (Python's own sources), synthetic, a .txt/.jsonl file, folder or glob, or hf:NAME[:split]")
     tokenizer: str | None = _flag(None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)")
-    seed: int = _flag(0, "seed for parameters and data order (default: 0)")
+    seed: int = _flag(0, "seed for parameters and data order")
 
     def check(self) -> None:
         pass

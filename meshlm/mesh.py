@@ -88,7 +88,8 @@ def _fill(sizes: list[int], n_devices: int, flag: str, unit: str = "devices") ->
         sizes = [n_devices // known if s == -1 else s for s in sizes]
     elif known != n_devices:
         raise UsageError(
-            f"{flag}: the axes multiply to {known} but there are {n_devices} {unit}; "
+            f"{flag}: the axes multiply to {known} but there {'is' if n_devices == 1 else 'are'} {n_devices} "
+            f"{unit[:-1] if n_devices == 1 else unit}; "
             f"make the product {n_devices} or use -1 for one axis" + (f" (or --devices={known} on CPU)" if unit == "devices" else "")
         )
     return sizes

@@ -50,7 +50,7 @@ def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None) -> Non
             continue
         kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f.metadata.get("help", "") + (f" [default: {default}]" if default not in (None, False) else "")
+        help_text = f.metadata.get("help", "") + (f" [default: {default}]" if default is not None and default is not False else "")
         if kind is bool:
             parser.add_argument(f"--{f.name}", action="store_true", help=help_text)
             continue

@@ -266,15 +266,22 @@ def apply_overrides(base: ModelConfig, overrides: dict[str, Any]) -> ModelConfig
     return dataclasses.replace(base, **changes)
 
 
+def count_params(n: float) -> str:
+    """A parameter count as people read it: 5.51M, 1.24B, 820K, 640."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
 def describe(cfg: ModelConfig) -> str:
-    n = cfg.num_params()
     return (
         f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv) x {cfg.head_dim}, "
-        f"mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}: {n / 1e6:.1f}M parameters"
+        f"mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}: {count_params(cfg.num_params())} parameters"
     )
 
 
 __all__ = [
     "ModelConfig", "RopeScaling", "PRESETS", "resolve_model", "apply_overrides", "from_hf_config", "read_hf_config",
-    "to_hf_config", "describe",
+    "to_hf_config", "describe", "count_params",
 ]

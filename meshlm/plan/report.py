@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from meshlm.models.configs import count_params
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 from meshlm.plan.search import Plan
@@ -135,7 +136,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
         if not console.is_terminal:  # a log file or a pipe: wide enough for one row per mesh
             console = Console(width=160)
     c = job.cfg
-    console.print(f"[bold]{' '.join(model_flags)}[/]: {c.num_params() / 1e9:.3g}B parameters; batch {job.batch_size} × "
+    console.print(f"[bold]{' '.join(model_flags)}[/]: {count_params(c.num_params())} parameters; batch {job.batch_size} × "
                   f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
                   f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
                   f"device); remat {c.remat}", highlight=False)
@@ -276,7 +277,7 @@ def figure(job: Job, hw: Hardware, plans: list[Plan], top: int):
         ax.set_xlabel("--mesh_dim (dp,fsdp,tp,sp)" + (", pp stages" if any(p.pipeline for p in shown) else ""))
         # Legends under the panels, never over the bars; the saved figure grows to hold them.
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=3, frameon=False)
-    fig.suptitle(f"{job.cfg.num_params() / 1e9:.3g}B parameters, batch {job.batch_size} × {job.seq_len} on "
+    fig.suptitle(f"{count_params(job.cfg.num_params())} parameters, batch {job.batch_size} × {job.seq_len} on "
                  f"{job.n_devices} × {hw.name}")
     fig.tight_layout()
     return fig
