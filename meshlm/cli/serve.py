@@ -6,6 +6,9 @@ process loads its shards of the weights and compiles the same engine; process 0 
 the HTTP requests, schedules every step and publishes it, the others run the steps it publishes
 (meshlm/serve/multihost.py). Each process runs under the supervisor and watchdog of
 meshlm/distributed.py, as training does.
+
+Warm-up (meshlm/serve/warmup.py) shows a progress bar on process 0: `generate` compiles every shape
+first; `serve` compiles the most needed ones, starts answering, and compiles the rest in the background.
 """
 
 from __future__ import annotations
@@ -96,10 +99,13 @@ def load(args, console):
     return model, job.shape
 
 
-def build_engine(model, shape, args, console, max_seq_len=None, buckets=None):
-    """The engine, compiled (in every process) but not started: process 0 starts it, the others follow it."""
+def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, first=None, warm_scorer=True):
+    """The engine, compiled (in every process) but not started: process 0 starts it, the others follow
+    it. `first`: compile only that many shapes, the most needed first (meshlm/serve/warmup.py), and
+    return the progress bar for the rest (None elsewhere than on the main process)."""
     from meshlm.serve import multihost
     from meshlm.serve.engine import Engine
+    from meshlm.serve.warmup import WarmupProgress
 
     if args.prefill_buckets:
         try:
@@ -107,12 +113,18 @@ def build_engine(model, shape, args, console, max_seq_len=None, buckets=None):
         except ValueError:
             raise UsageError(f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256") from None
     engine = Engine(model, max_batch=args.max_batch or shape.data, max_seq_len=args.max_seq_len or max_seq_len,
-                    prefill_buckets=buckets, link=multihost.link())
-    with console.status(f"compiling the decode step and {len(engine.buckets)} prefill bucket(s)"):
-        seconds = engine.warmup()
-    console.print(f"compiled in {seconds:.1f} s; context {engine.max_seq_len} tokens, {engine.max_batch} slot(s), "
-                  f"prompt buckets {', '.join(map(str, engine.buckets))}")
-    return engine
+                    prefill_buckets=buckets, link=multihost.link(), warm_scorer=warm_scorer)
+    progress = None if console.quiet else WarmupProgress(console)
+    try:
+        seconds = engine.warmup(progress, count=first)
+    except BaseException:
+        if progress is not None:
+            progress.close()
+        raise
+    done, total = engine.warmed()
+    console.print(f"compiled {done} of {total} shapes in {seconds:.1f} s; context {engine.max_seq_len} tokens, "
+                  f"{engine.max_batch} slot(s), prompt buckets {', '.join(map(str, engine.buckets))}")
+    return engine, progress
 
 
 def generate(argv: list[str]) -> int:
@@ -154,8 +166,8 @@ def generate(argv: list[str]) -> int:
         step = 2 * shape.sp
         need = -(-(len(ids) + max(args.max_tokens, 0)) // step) * step
         bucket = min(-(-max(len(ids), 1) // step) * step, need)
-        engine = build_engine(model, shape, args, err, max_seq_len=min(need, model.cfg.max_seq_len),
-                              buckets=(min(bucket, model.cfg.max_seq_len),))
+        engine, _ = build_engine(model, shape, args, err, max_seq_len=min(need, model.cfg.max_seq_len),
+                                 buckets=(min(bucket, model.cfg.max_seq_len),), warm_scorer=False)
         request = GenerationRequest(ids, args.max_tokens, sampling, tuple(args.stop))
         try:
             engine.check(request)  # in every process, so that all of them stop on a bad request
@@ -211,19 +223,32 @@ def serve(argv: list[str]) -> int:
     g.add_argument("--api_key", default=os.environ.get("MESHLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]")
     g.add_argument("--model_name", help="the model id clients send and /v1/models lists [default: the folder name]")
+    g.add_argument("--header_timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection that has not sent a request's head (request line and headers) "
+                        "within S seconds of connecting or of its last reply [default: 10]")
+    g.add_argument("--body_timeout", type=float, default=30.0, metavar="S",
+                   help="close a connection that has not sent a request's body within S seconds of its head "
+                        "[default: 30]")
     add_cluster_flags(parser, CLUSTER_HELP)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} must be between 1 and 65535")
+    for flag in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive number of seconds")
     check_host(args.host)
 
     def work(main: bool) -> int:
         from meshlm.serve.api import bind, serve as run_server
+        from meshlm.serve.warmup import FIRST
 
         console = Console(stderr=True, quiet=not main)
         sock = bind(args.host, args.port) if main else None  # before minutes of loading and compiling
+        progress = None
         try:
-            engine = build_engine(*load(args, console), args, console)
+            # The most needed shapes now, in every process; process 0 compiles the rest in the
+            # background while serving (and publishes them to the others, which follow).
+            engine, progress = build_engine(*load(args, console), args, console, first=FIRST)
         except BaseException:
             if sock is not None:
                 sock.close()
@@ -233,11 +258,22 @@ def serve(argv: list[str]) -> int:
             return 0
         if args.model_name:
             engine.model_name = args.model_name
-        console.print(f"serving {engine.model_name} on http://{args.host}:{args.port} (chat page at /, API at /v1)")
+        url = f"http://{args.host}:{args.port}"
+        left = len(engine.uncompiled())
+        console.print(f"serving {engine.model_name} on {url} (chat page at /, API at /v1)"
+                      + (f"; compiling the other {left} shapes in the background" if left else ""))
+        if progress is not None:
+            progress.on_done = lambda s: console.print(f"ready: every shape compiled ({s:.1f} s); serving on {url}")
+        if not left:
+            console.print(f"ready: serving on {url}")
         try:
-            run_server(engine.start(warmup=False), host=args.host, port=args.port, api_key=args.api_key, sock=sock)
+            run_server(engine.start(background=True, progress=progress), host=args.host, port=args.port,
+                       api_key=args.api_key, sock=sock, header_timeout_s=args.header_timeout,
+                       body_timeout_s=args.body_timeout)
         finally:
             engine.stop()
+            if progress is not None:
+                progress.close()
         return 0
 
     return run_in_cluster("serve", argv, args, work)

@@ -80,7 +80,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
-        return {"status": "ok", "model": engine.model_name}
+        compiled, shapes = engine.warmed()  # while shapes remain the server answers, some requests slower
+        return {"status": "ok" if compiled >= shapes else "warming_up", "model": engine.model_name,
+                "shapes_compiled": compiled, "shapes": shapes}
 
     @app.get("/v1/models")
     async def list_models() -> dict:

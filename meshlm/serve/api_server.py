@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -41,6 +42,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host={host} is not an address of this machine; use 127.0.0.1 (this machine "
+                             "only) or 0.0.0.0 (every interface)") from None
         raise UsageError(f"--host={host} --port={port}: cannot listen there ({e.strerror}); "
                          "choose another --port or stop what holds it") from None
     return sock
@@ -85,12 +89,14 @@ def make_server(app: FastAPI, *, grace_s: float = 5.0, header_timeout_s: float =
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info", sock: socket.socket | None = None) -> None:
+          log_level: str = "info", sock: socket.socket | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
+          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
     """Serve `engine` over HTTP until SIGINT or SIGTERM. The engine is the caller's to start and stop.
 
-    `sock`, from `bind(host, port)`, is used instead of binding here."""
+    `sock`, from `bind(host, port)`, is used instead of binding here; the timeouts are `make_server`'s."""
     sock = sock or bind(host, port)
-    server = make_server(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level)
+    server = make_server(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,
+                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s)
     try:
         with _signal_handled_by_server():
             server.run(sockets=[sock])

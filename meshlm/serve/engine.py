@@ -24,7 +24,12 @@ A loop on its own thread (this module) repeats:
      their slots for step 1.
 
 Compiled shapes: a prefill per prompt-length bucket and a decode step per (rows, cache prefix)
-bucket, all compiled by `start()`, so traffic never compiles (`compiled_shapes()` lets tests check).
+bucket, all compiled by `start()`, so traffic never compiles (`compiled_shapes()` lets tests check);
+also the smallest bucket of the log-probability Scorer. `warmup(progress, count=k)` compiles them in
+the order of meshlm/serve/warmup.py (the most needed first), reporting each; `start(background=True)`
+leaves the rest to the loop, which compiles the next one whenever it has no request to run. Until
+then a request whose shape is not compiled yet compiles it on the spot (it waits that long); once
+every shape is compiled nothing compiles again.
 
 Several processes (`link=`, see meshlm/serve/multihost.py): process 0 runs the loop above and
 publishes each step's host inputs before it runs the step; every other process builds the same
@@ -52,6 +57,7 @@ from meshlm.serve.sampling import SamplingParams, SlotSampling
 from meshlm.serve.shapes import plan_shapes
 from meshlm.serve.steps import Steps
 from meshlm.serve.text import IncrementalText, StopMatcher
+from meshlm.serve.warmup import plan
 
 log = logging.getLogger("meshlm.serve")
 
@@ -60,10 +66,12 @@ class Engine:
     """Continuous-batching generation for one model on one mesh. Thread-safe `submit`.
 
     `model` is a loaded model (meshlm.serve.loading.LoadedModel: cfg, placement, params, tokenizer,
-    name, chat_template); the engine takes its weights over."""
+    name, chat_template); the engine takes its weights over. `warm_scorer`: warm-up also compiles the
+    log-probability Scorer's smallest bucket (never across processes, where it is not available)."""
 
     def __init__(self, model: Any, *, max_batch: int = 8, max_seq_len: int | None = None,
-                 prefill_buckets: tuple[int, ...] | None = None, prefill_batch: int | None = None, link=None):
+                 prefill_buckets: tuple[int, ...] | None = None, prefill_batch: int | None = None, link=None,
+                 warm_scorer: bool = True):
         placement = model.placement
         self.model = model
         self.tokenizer = model.tokenizer
@@ -92,6 +100,12 @@ class Engine:
         self.stats = collections.Counter()
         self._link = link  # multihost.Leader in process 0, Follower elsewhere; None for one process
         self._scorer = None
+        score = None if link is not None or not warm_scorer else (sharding.data_parallel_size(self.mesh, placement.strategy),
+                                                min(32, self.max_seq_len))  # the Scorer's smallest bucket
+        self._plan = plan(self.shapes, score)  # every shape to compile, most needed first
+        self._compiled: set[tuple] = set()  # the shapes of the plan compiled so far
+        self._background = False  # the loop compiles the shapes still missing when idle
+        self._progress = None  # its progress(done, total, compiling)
 
     # --------------------------------------------------------------------------- public API
 
@@ -143,9 +157,12 @@ class Engine:
         ids = self.tokenizer.encode(prompt)
         return self.submit(GenerationRequest(ids, max_tokens, SamplingParams(**sampling))).result()[0]
 
-    def start(self, warmup: bool = True) -> "Engine":
-        if warmup:
-            self.warmup()
+    def start(self, warmup: bool = True, *, background: bool = False, progress=None) -> "Engine":
+        """Start the loop. `warmup`: compile every shape first. `background`: start at once and let the
+        loop compile the shapes still missing while it is idle (`progress` as for `warmup`)."""
+        if warmup and not background:
+            self.warmup(progress)
+        self._background, self._progress = background, (progress if background else None)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
         self._thread.start()
@@ -183,22 +200,75 @@ class Engine:
                 self.steps.decode(*step.args)
                 self.stats["decode_steps"] += 1
 
-    def warmup(self) -> float:
-        """Compile the decode step and every prefill bucket (padding rows only: nothing changes)."""
+    def warmup(self, progress=None, *, count: int | None = None) -> float:
+        """Compile the shapes not compiled yet, the most needed first (meshlm/serve/warmup.py): all of
+        them, or the next `count`. Runs padding rows only, so no slot changes. `progress(done, total,
+        compiling)` is called before each shape and once after the last. Before `start()` only. Seconds taken."""
         t0 = time.perf_counter()
-        Bp = self.prefill_batch
-        none = np.full(Bp, self.max_batch, np.int32)  # every row is padding
-        for P in self.buckets:
-            first = self.steps.prefill(np.zeros((Bp, P), np.int32), np.ones(Bp, np.int32), none,
-                                       SlotSampling.empty(Bp))
-        for rows in self.decode_rows:
-            for length in self.decode_lengths:
-                nxt = self.steps.decode(rows, length)
-        jax.block_until_ready((first, nxt))
+        for shape in self.uncompiled()[:count]:
+            self._compile(shape, progress, publish=False)
+        if progress is not None:
+            progress(*self.warmed(), None)
         seconds = time.perf_counter() - t0
-        log.info("compiled %d prefill buckets %s and decode steps for %s rows × %s cache slots in %.1f s",
-                 len(self.buckets), self.buckets, self.decode_rows, self.decode_lengths, seconds)
+        log.info("compiled %d of %d shapes (prefill buckets %s, decode steps for %s rows × %s cache slots) in %.1f s",
+                 *self.warmed(), self.buckets, self.decode_rows, self.decode_lengths, seconds)
         return seconds
+
+    def warmed(self) -> tuple[int, int]:
+        """(shapes compiled, shapes in all): equal once warm-up is over."""
+        return len(self._compiled), len(self._plan)
+
+    def uncompiled(self) -> list[tuple]:
+        """The shapes still to compile, in the order they will be (meshlm/serve/warmup.py)."""
+        return [s for s in self._plan if s not in self._compiled]
+
+    def _compile(self, shape: tuple, progress, publish: bool) -> None:
+        """Run `shape` once on padding rows (it compiles the first time); `publish` it to the other processes."""
+        if progress is not None:
+            progress(*self.warmed(), shape)
+        kind, *dims = shape
+        try:
+            if kind == "prefill":
+                Bp = self.prefill_batch
+                args = (np.zeros((Bp, dims[0]), np.int32), np.ones(Bp, np.int32),
+                        np.full(Bp, self.max_batch, np.int32), SlotSampling.empty(Bp))  # every row is padding
+                if publish and self._link is not None:
+                    self._link.prefill(*args)
+                jax.block_until_ready(self.steps.prefill(*args))
+            elif kind == "decode":
+                if publish and self._link is not None:
+                    self._link.decode(*dims)
+                jax.block_until_ready(self.steps.decode(*dims))  # only idle slots: none busy during warm-up
+            else:
+                rows, length = dims
+                self.scorer().score([[0] * length] * rows)
+        except Exception:  # noqa: BLE001  (a failed Scorer leaves generation working; its requests fail)
+            if kind != "score":
+                raise
+            log.exception("warming the log-probability scorer failed")
+        self._compiled.add(shape)
+
+    def _ran(self, shape: tuple) -> None:
+        """A request's step of `shape` ran (compiling it if warm-up had not yet): it needs no warm-up."""
+        if shape not in self._compiled:
+            self._compiled.add(shape)
+            if self._progress is not None:
+                self._progress(*self.warmed(), None)
+
+    def _warm_next(self) -> None:
+        """The loop has nothing to run: compile the next shape still missing."""
+        shape = self.uncompiled()[0]
+        try:
+            self._compile(shape, self._progress, publish=True)
+        except Exception as e:  # noqa: BLE001
+            if self._link is not None:
+                from meshlm import distributed
+
+                distributed.fail_fast(e)
+            log.exception("compiling %s failed; requests of that shape will compile it", shape)
+            self._compiled.add(shape)  # not again: warm-up must end
+        if self._progress is not None and not self.uncompiled():
+            self._progress(*self.warmed(), None)
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -206,10 +276,15 @@ class Engine:
         pending = None  # (tokens on device, owner of each slot when that step was dispatched)
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and pending is None and not any(self._slots):
+                idle = lambda: not self._waiting and pending is None and not any(self._slots)  # noqa: E731
+                while not self._stopping and idle() and not (self._background and self.uncompiled()):
                     self._wake.wait()
                 if self._stopping:
                     break
+                warm = idle()  # so shapes remain
+            if warm:
+                self._warm_next()
+                continue
             try:
                 self._admit()
                 if any(h is not None for h in self._slots):
@@ -217,6 +292,7 @@ class Engine:
                     if self._link is not None:
                         self._link.decode(*shape)
                     tokens = self.steps.decode(*shape)
+                    self._ran(("decode", *shape))
                     self.stats["decode_steps"] += 1
                     for i, h in enumerate(self._slots):
                         if h is not None:
@@ -274,6 +350,7 @@ class Engine:
         if self._link is not None:
             self._link.prefill(tokens, lengths, slot_ids, settings)
         first = np.asarray(self.steps.prefill(tokens, lengths, slot_ids, settings))
+        self._ran(("prefill", P))
         self.stats["prefills"] += 1
         now = time.perf_counter()
         for row, (h, slot) in enumerate(zip(group, slots)):

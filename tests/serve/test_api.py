@@ -132,7 +132,8 @@ def test_models_and_health(client, http, engine):
     assert client.models.retrieve(engine.model_name).id == engine.model_name
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    assert http.get("/health").json()["status"] == "ok"
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["shapes_compiled"] == health["shapes"] == engine.warmed()[1]
 
 
 def test_sse_wire_format(http):
@@ -235,7 +236,8 @@ def test_a_busy_port_is_a_usage_error():
         port = holder.getsockname()[1]
         with pytest.raises(UsageError, match=f"--port={port}: cannot listen there.*another --port"):
             bind("127.0.0.1", port)
-    with pytest.raises(UsageError, match="--host=192.0.2.1 --port=8000: cannot listen there"):
+    with pytest.raises(UsageError, match=r"--host=192.0.2.1 is not an address of this machine; use 127.0.0.1 "
+                                         r"\(this machine only\) or 0.0.0.0 \(every interface\)"):
         bind("192.0.2.1", 8000)  # a documentation address, on no interface here: refused without any traffic
 
 
