@@ -5,11 +5,12 @@ turning names into PartitionSpecs is `meshlm.sharding`'s; model code writes `sha
 axes.STREAM)` and never a mesh axis.
 
 Shapes: B batch, T length, S cache length, E d_model, H heads, K kv heads, D head_dim, M mlp_dim,
-V vocab.
+V vocab, r a LoRA adapter's rank.
 """
 
 LOGICAL_AXES = (
     "batch", "length", "cache_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+    "lora_rank",
 )
 
 # ------------------------------------------------------------------------------------- activations
@@ -32,3 +33,7 @@ WKV = ("embed", "kv_heads", "head_dim")  # [E, K, D] key and value projections
 WO = ("heads", "head_dim", "embed")  # [H, D, E]
 MLP_IN = ("embed", "mlp")  # [E, M] gate and up projections
 MLP_OUT = ("mlp", "embed")  # [M, E] down projection
+
+# LoRA adapters (meshlm.models.lora) keep their weight's axes on either side of the rank: A is the weight's
+# input axes + LORA_RANK, B is LORA_RANK + its output axes (wq's A [E, r] and B [r, H, D]).
+LORA_RANK = "lora_rank"  # r: always whole (replicated) in every strategy

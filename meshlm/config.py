@@ -1,5 +1,5 @@
-"""A run's settings, in sections: mesh, cluster, model, pipeline, batch, precision, optimizer, data,
-eval, checkpoint and logging.
+"""A run's settings, in sections: mesh, cluster, model, pipeline, batch, precision, optimizer, lora, data,
+finetune data, eval, checkpoint, logging and tracking.
 
 Each section is a dataclass whose fields are the command-line flags (a field's `help` metadata is
 its help text, `cli=False` keeps it off the command line) and whose `check` finds bad values before
@@ -18,6 +18,12 @@ from meshlm.errors import UsageError
 # Compute dtypes a flag may name; `auto` is float32 on CPU, bfloat16 on accelerators (meshlm.platform).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
+# Chat fine-tuning data (meshlm.data.chat) and metric trackers (meshlm.train.tracking).
+LOSS_ON = ("assistant", "all")
+LONG_CONVERSATIONS = ("truncate", "drop")
+TRACKERS = ("tensorboard", "wandb", "none")
+# LoRA (meshlm.models.lora): the weights adapted by default (every attention and MLP projection).
+LORA_TARGETS = r"attn/w[qkvo]$|mlp/(gate|up|down)$"
 # Rematerialisation policies (meshlm.models.llama.REMAT_POLICIES implements them).
 REMAT = ("auto", "none", "full", "save_dots", "save_qkv_attn", "save_attn")
 # Attention kernels (meshlm.ops.kernels dispatches them); `auto` picks the backend's own.
@@ -160,6 +166,39 @@ class OptimizerSection:
         check_positive(self, "steps", "schedule_steps")
 
 
+def check_lora(rank: int, alpha: float, targets: str, base_dtype: str) -> None:
+    """The LoRA flags (also what `meshlm.models.lora.LoraSpec` checks): one line naming the fix."""
+    import re
+
+    if rank < 0:
+        raise UsageError(f"--lora_rank={rank} must be ≥ 0 (0 turns LoRA off)")
+    if alpha <= 0:
+        raise UsageError(f"--lora_alpha={alpha} must be positive, e.g. 16")
+    if base_dtype not in PARAM_DTYPES:
+        raise UsageError(f"--lora_base_dtype={base_dtype}: choose float32 or bfloat16")
+    try:
+        re.compile(targets)
+    except re.error as e:
+        raise UsageError(f"--lora_targets={targets!r} is not a regular expression ({e})") from None
+
+
+@dataclass
+class LoraConfig:
+    """LoRA fine-tuning: low-rank adapters on frozen base weights (docs/lora.md)."""
+
+    lora_rank: int = _flag(0, "LoRA adapter rank r (0: off, train every weight); the base weights freeze and only "
+                           "the adapters A [in, r], B [r, out] train")
+    lora_alpha: float = _flag(16.0, "LoRA scale numerator: the model runs W + (alpha / r)·A·B")
+    lora_targets: str = _flag(LORA_TARGETS, "regex searched in parameter paths (layers/attn/wq, layers/mlp/down, "
+                              "lm_head ...) naming the weights that get adapters (default: the attention and MLP projections)")
+    lora_base_dtype: str = _flag("float32", "dtype the frozen base weights are held in with LoRA: float32 or bfloat16")
+
+    def check(self) -> None:
+        check_lora(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_base_dtype)
+        if self.lora_rank and getattr(self, "pp", 1) > 1:
+            raise UsageError("--lora_rank with --pp: LoRA does not run pipelined yet; drop --pp")
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
@@ -170,6 +209,30 @@ class DataConfig:
 
     def check(self) -> None:
         pass
+
+
+@dataclass
+class ChatDataConfig:
+    """Fine-tuning data: chat conversations (JSONL lines with a "messages" list, found by that list) and
+    plain JSONL text under another key (docs/finetune.md)."""
+
+    text_field: str = _flag("text", "the JSONL key (or Hugging Face dataset column) that holds a plain-text document")
+    chat_template: str | None = _flag(None, "chat data: render conversations with this template: plain, chatml, or a "
+                                      "Jinja file (default: the tokenizer's own, else plain); serving renders alike")
+    loss_on: str | None = _flag(None, "chat data: which targets count in the loss: assistant (the replies, default "
+                                "for chat data) or all")
+    long_conversations: str | None = _flag(None, "chat data: a conversation longer than --seq_len is cut to it "
+                                           "(truncate, the default) or left out (drop); the log counts them")
+
+    def check(self) -> None:
+        if not self.text_field.strip():
+            raise UsageError("--text_field is empty; name the JSONL key that holds the text, e.g. --text_field=content")
+        if self.loss_on is not None and self.loss_on not in LOSS_ON:
+            raise UsageError(f"--loss_on={self.loss_on}: choose {' or '.join(LOSS_ON)}")
+        if self.long_conversations is not None and self.long_conversations not in LONG_CONVERSATIONS:
+            raise UsageError(f"--long_conversations={self.long_conversations}: choose {' or '.join(LONG_CONVERSATIONS)}")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise UsageError("--chat_template is empty; name plain, chatml or a Jinja file, or leave it out")
 
 
 @dataclass
@@ -227,17 +290,57 @@ class LoggingConfig:
         check_positive(self, "log_every")
 
 
+@dataclass
+class TrackingConfig:
+    """Where the metrics go besides metrics.jsonl, and diagnostics (a run stops at a NaN/Inf loss or gradient)."""
+
+    tracker: str = _flag("tensorboard", "also send the metrics to: tensorboard (tb/ in the run folder), wandb "
+                         "(pip install wandb; WANDB_MODE=offline works without a network) or none")
+    profile_steps: str | None = _flag(None, "A:B: write a jax.profiler trace of steps A to B into the run folder's "
+                                      "profile/ (open it in TensorBoard's profile tab or Perfetto)")
+
+    def check(self) -> None:
+        if self.tracker not in TRACKERS:
+            raise UsageError(f"--tracker={self.tracker}: choose {', '.join(TRACKERS[:-1])} or {TRACKERS[-1]}")
+        if self.tracker == "wandb":
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise UsageError("--tracker=wandb needs the wandb package: pip install wandb (or --tracker=tensorboard)")
+        if self.profile_steps is not None:
+            first, last = profile_range(self.profile_steps)
+            steps = getattr(self, "steps", None)
+            if steps is not None and first > steps:
+                raise UsageError(f"--profile_steps={self.profile_steps} starts after the last step ({steps}); "
+                                 f"pick steps within --steps")
+
+
+def profile_range(spec: str) -> tuple[int, int]:
+    """`--profile_steps=A:B` as (A, B), steps counted from 1 and A <= B."""
+    first, sep, last = spec.partition(":")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        a = b = 0
+    if not (sep or not last) or a < 1 or b < a:
+        raise UsageError(f"--profile_steps={spec}: write FIRST:LAST, two step numbers from 1 with FIRST <= LAST, e.g. 5:8")
+    return a, b
+
+
 # The sections in the order their flags are listed by `meshlm train --help`.
 SECTIONS = {
     "mesh": MeshConfig, "cluster": ClusterConfig, "model": ModelSection, "pipeline": PipelineConfig,
-    "batch": BatchConfig, "precision": PrecisionConfig, "optimizer": OptimizerSection, "data": DataConfig,
-    "eval": EvalConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "batch": BatchConfig, "precision": PrecisionConfig, "optimizer": OptimizerSection, "lora": LoraConfig,
+    "data": DataConfig,
+    "finetune data": ChatDataConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "tracking": TrackingConfig,
 }
 
 
 @dataclass
-class TrainConfig(LoggingConfig, CheckpointConfig, EvalConfig, DataConfig, OptimizerSection, PrecisionConfig, BatchConfig,
-                  PipelineConfig, ModelSection, ClusterConfig, MeshConfig):
+class TrainConfig(TrackingConfig, LoggingConfig, CheckpointConfig, EvalConfig, ChatDataConfig, DataConfig,
+                  LoraConfig, OptimizerSection, PrecisionConfig, BatchConfig, PipelineConfig, ModelSection, ClusterConfig,
+                  MeshConfig):
     """Every `meshlm train` flag: the composition of the sections above."""
 
     def validate(self) -> None:

@@ -108,6 +108,9 @@ class TrainCheckpoint(WholeLeafSource):
             ckpt.close()
         if "model" not in meta:
             raise UsageError(f"checkpoint {self.where} records no model config; it was not written by meshlm train")
+        if meta.get("lora"):
+            raise UsageError(f"checkpoint {self.where} holds LoRA adapters, not whole weights; meshlm export "
+                             "--lora_format=peft writes the adapters, meshlm export --merge the merged weights")
         self.cfg = config_from_meta(meta["model"])
         self.state_dir = directory / str(self.step) / "state"
         self._ckptr = ocp.PyTreeCheckpointer()

@@ -45,12 +45,32 @@ def convert(argv: list[str]) -> int:
 def export(argv: list[str]) -> int:
     from meshlm.checkpoint.convert import export_params
 
-    parser = Parser(prog="meshlm export", description="Write a checkpoint's parameters only (for serving), in the compute dtype.")
+    parser = Parser(prog="meshlm export", description="Write a checkpoint's parameters only (for serving), in the compute "
+                    "dtype; a LoRA run's adapters as a PEFT folder (--lora_format=peft) or merged into the base (--merge).")
     parser.add_argument("--checkpoint", metavar="D", required=True, help="a run's output_dir, its checkpoints/ or checkpoints/N")
-    parser.add_argument("--out", metavar="P", required=True, help="the params folder to write")
+    parser.add_argument("--out", metavar="P", required=True, help="the folder to write")
     parser.add_argument("--step", type=int, help="which checkpoint step (default: newest)")
-    parser.add_argument("--dtype", help="override the dtype (default: the model's compute dtype)")
+    parser.add_argument("--dtype", help="override the dtype (default: the model's compute dtype; float32 adapters with "
+                        "--lora_format; the base's dtype with --merge)")
+    parser.add_argument("--lora_format", metavar="F", help="a LoRA run's adapters only: peft (a Hugging Face PEFT "
+                        "adapter folder, adapter_config.json + adapter_model.safetensors)")
+    parser.add_argument("--merge", action="store_true", help="a LoRA run: the base weights with the adapters merged "
+                        "in (W + alpha/r·A·B), as a Hugging Face folder")
+    parser.add_argument("--base", metavar="DIR", help="with --lora_format or --merge: the base model the adapters "
+                        "were trained on (default: the --init_from folder the checkpoint records)")
     args = parser.parse_args(argv)
+    if args.lora_format is not None and args.lora_format != "peft":
+        raise UsageError(f"--lora_format={args.lora_format}: the one format is peft")
+    if args.lora_format and args.merge:
+        raise UsageError("--lora_format=peft writes the adapters, --merge the merged weights; pass one of them")
+    if args.base is not None and not (args.lora_format or args.merge):
+        raise UsageError("--base is for a LoRA export: add --lora_format=peft or --merge")
     _check_out(args.out, "--out")
+    if args.lora_format or args.merge:
+        from meshlm.checkpoint.lora_export import export_merged, export_peft
+
+        write = export_peft if args.lora_format else export_merged
+        print(f"wrote {write(args.checkpoint, args.out, args.step, args.base, args.dtype)}")
+        return 0
     print(f"wrote {export_params(args.checkpoint, args.out, args.dtype, args.step)}")
     return 0

@@ -21,5 +21,5 @@ def run(argv: list[str]) -> int:
     cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
     if cluster.multi_process and not distributed.is_worker():
         return distributed.supervise(["train", *raw], cluster)  # the work runs in a watched child
-    train(cfg)
-    return 0
+    summary = train(cfg)
+    return 1 if summary.get("diverged") else 0  # stopped at a NaN/Inf loss (the last good checkpoint kept)

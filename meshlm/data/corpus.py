@@ -6,7 +6,8 @@ Spec forms:
   same on every machine with the same Python, which makes it a good smoke-test corpus.
 - ``synthetic``: random tokens for benchmarks; no text at all (see `loader.py`).
 - a path: a ``.txt`` file (one document per file), a ``.jsonl`` file (one document per line, its
-  ``text`` field, or whichever field `text_field` names), a directory (its ``.txt``/``.jsonl``
+  ``text`` field, or whichever field `text_field`, the ``--text_field`` flag, names; chat records,
+  with a ``messages`` list, are read by `meshlm.data.chat`), a directory (its ``.txt``/``.jsonl``
   files, recursively) or a glob such as ``data/*.jsonl``.
 - ``hf:NAME[:split]``: a Hugging Face dataset, when the optional ``datasets`` library is installed.
 
@@ -140,7 +141,7 @@ class HFCorpus(Corpus):
         if self.text_field not in ds.column_names:
             raise UsageError(
                 f"dataset {self.name!r} has no {self.text_field!r} column (columns: "
-                f"{', '.join(ds.column_names)}); pick one as the text field"
+                f"{', '.join(ds.column_names)}); pass --text_field=COLUMN naming one of them"
             )
         return ds
 
@@ -237,10 +238,14 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                     f"{path}:{lineno}: not a valid UTF-8 JSON line ({e}); fix or remove it"
                 ) from None
             text = record.get(text_field) if isinstance(record, dict) else None
+            if text is None and isinstance(record, dict) and isinstance(record.get("messages"), list):
+                # chat data (meshlm.data.chat): its messages' text, e.g. to train a tokenizer on
+                text = "\n".join(m["content"] for m in record["messages"]
+                                 if isinstance(m, dict) and isinstance(m.get("content"), str))
             if not isinstance(text, str):
                 raise UsageError(
-                    f"{path}:{lineno}: no string field {text_field!r}; "
-                    f"set the text field to the key that holds the text"
+                    f"{path}:{lineno}: no string field {text_field!r}; pass --text_field=KEY naming "
+                    f"the field that holds the text (or give chat data a \"messages\" list)"
                 )
             if text.strip():
                 yield text

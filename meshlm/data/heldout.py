@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from meshlm.data.corpus import is_synthetic
-from meshlm.data.loader import EVAL_SEED, pack_rows, tokenize_corpus
+from meshlm.data.chat import tokenize_chat
+from meshlm.data.loader import EVAL_SEED, pack_rows, read_rows, tokenize_corpus
 from meshlm.errors import UsageError
 
 DEFAULT_EVAL_BATCHES = 10  # at most this many batches per evaluation unless --eval_batches says otherwise
@@ -33,8 +34,9 @@ class EvalBatches:
     `source` names the flag to change when there are too few rows."""
 
     def __init__(self, tokens, rows, tokenizer, seq_len: int, global_batch_size: int, n_batches: int | None,
-                 process_index: int = 0, process_count: int = 1, seed: int = 0, source: str = "--eval_split"):
-        self.tokens, self.rows, self.tokenizer = tokens, rows, tokenizer
+                 process_index: int = 0, process_count: int = 1, seed: int = 0, source: str = "--eval_split",
+                 flags=None):
+        self.tokens, self.rows, self.tokenizer, self.flags = tokens, rows, tokenizer, flags
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.process_index, self.local_batch_size = process_index, global_batch_size // process_count
         if rows is None:
@@ -69,8 +71,7 @@ class EvalBatches:
             rows = np.stack([np.random.default_rng([self.seed, _SYNTHETIC_STREAM + b, g]).integers(
                 0, self.tokenizer.vocab_size, T + 1, dtype=np.int32) for g in range(first, first + self.local_batch_size)])
             return pack_rows(rows, -1)  # random tokens: no document boundaries, every target counts
-        rows = np.stack([self.tokens[r * T: r * T + T + 1] for r in self.global_rows(b)])
-        return pack_rows(rows, self.tokenizer.eos_id)
+        return read_rows(self.tokens, self.flags, self.global_rows(b), T, self.tokenizer.eos_id)
 
     def batches(self) -> list[dict[str, np.ndarray]]:
         """Every evaluation batch of this process (read once, then kept: the same rows at every evaluation)."""
@@ -80,19 +81,26 @@ class EvalBatches:
 
 
 def make_eval_batches(train_loader, eval_dataset: str | None, n_batches: int | None, *,
-                      cache_dir=None, text_field: str = "text") -> EvalBatches:
+                      cache_dir=None, text_field: str | None = None) -> EvalBatches:
     """The evaluation batches of a run: the training loader's held-out rows (it was made with
     `eval_split`), or `eval_dataset` (any `--dataset` spec) packed with the same tokenizer and seq_len."""
     L = train_loader
+    text_field = text_field or getattr(L, "text_field", "text")  # by default read as the training data is
+    cache_dir = cache_dir if cache_dir is not None else getattr(L, "cache_dir", None)
     common = dict(tokenizer=L.tokenizer, seq_len=L.seq_len, global_batch_size=L.global_batch_size, n_batches=n_batches,
                   process_index=L.process_index, process_count=L.process_count, seed=L.seed)
     if eval_dataset is None:
         if L.synthetic:
             return EvalBatches(None, None, **common)
-        return EvalBatches(L.tokens, L.held_out, source=f"--eval_split={L.eval_split}", **common)
+        return EvalBatches(L.tokens, L.held_out, source=f"--eval_split={L.eval_split}", flags=getattr(L, "flags", None), **common)
     if is_synthetic(eval_dataset):
         return EvalBatches(None, None, **common)
-    tokens = tokenize_corpus(eval_dataset, L.tokenizer, cache_dir=cache_dir, text_field=text_field)
+    flags = None
+    if getattr(L, "chat", None) is not None:  # chat training data: the evaluation conversations rendered alike
+        chat = tokenize_chat(eval_dataset, L.tokenizer, L.seq_len, L.chat, cache_dir=cache_dir, text_field=text_field)
+        tokens, flags = chat.tokens, chat.flags
+    else:
+        tokens = tokenize_corpus(eval_dataset, L.tokenizer, cache_dir=cache_dir, text_field=text_field)
     num_rows = max(len(tokens) - 1, 0) // L.seq_len
     rows = np.random.default_rng(EVAL_SEED).permutation(num_rows)  # a sample spread over the whole dataset
-    return EvalBatches(tokens, rows, source=f"--eval_dataset={eval_dataset}", **common)
+    return EvalBatches(tokens, rows, source=f"--eval_dataset={eval_dataset}", flags=flags, **common)

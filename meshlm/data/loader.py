@@ -19,6 +19,10 @@ global rows `p*B/P .. (p+1)*B/P - 1` of that batch, so the processes' pieces, st
 order, are exactly the one-process batch. `batch(step)` is a pure function of the step, which makes
 resuming exact: a loader restored at step k yields what a fresh one yields at step k.
 
+Chat data (JSONL lines with a `messages` list, `meshlm.data.chat`) is rendered with a chat template and
+packed whole conversations to a row, beside a flags stream saying which targets count and where
+conversations start; its rows are read the same way (`read_rows`).
+
 Held out (`eval_split`): `held_out_rows` sets aside a fixed sample of the rows for evaluation
 (`meshlm.data.heldout` reads them) and the epochs permute only the others; without it every row
 trains, in the order above.
@@ -35,6 +39,7 @@ from collections.abc import Iterator
 import numpy as np
 from rich.console import Console
 
+from meshlm.data.chat import LOSS_ON, ChatOptions, is_chat_dataset, pack_chat_rows, tokenize_chat
 from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
 from meshlm.errors import UsageError
 
@@ -60,6 +65,30 @@ def pack_rows(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
         "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
         "loss_mask": (~ends).astype(np.float32),
     }
+
+
+def read_rows(tokens, flags, row_ids, seq_len: int, eos_id: int) -> dict[str, np.ndarray]:
+    """The batch of rows `row_ids` of a packed stream (row r: `seq_len + 1` tokens from `r * seq_len`),
+    plain text (`flags` None) or chat data with its flags stream."""
+    T = seq_len
+    rows = np.stack([tokens[r * T : r * T + T + 1] for r in row_ids])
+    if flags is None:
+        return pack_rows(rows, eos_id)
+    return pack_chat_rows(rows, np.stack([flags[r * T : r * T + T + 1] for r in row_ids]))
+
+
+def chat_options(spec: str, text_field: str = "text", chat_template: str | None = None, loss_on: str | None = None,
+                 long_conversations: str | None = None) -> ChatOptions | None:
+    """The chat options for `spec` when it is chat data, else None; the chat flags given for plain text are
+    one error naming the fix."""
+    if is_synthetic(spec) or not is_chat_dataset(spec, text_field):
+        given = [f"--{n}" for n, v in (("chat_template", chat_template), ("long_conversations", long_conversations),
+                                       ("loss_on", None if loss_on == "all" else loss_on)) if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to chat data (JSONL lines with a \"messages\" list), and "
+                             f"{spec!r} is plain text; leave {'them' if len(given) > 1 else 'it'} out")
+        return None
+    return ChatOptions(chat_template, loss_on or LOSS_ON[0], long_conversations or "truncate")
 
 
 def held_out_rows(num_rows: int, fraction: float) -> np.ndarray:
@@ -143,6 +172,9 @@ class DataLoader:
         cache_dir: str | os.PathLike | None = None,
         text_field: str = "text",
         eval_split: float | None = None,
+        chat_template: str | None = None,
+        loss_on: str | None = None,
+        long_conversations: str | None = None,
     ):
         if seq_len < 1 or global_batch_size < 1:
             raise UsageError(
@@ -166,10 +198,17 @@ class DataLoader:
         self._perm_epoch, self._perm = -1, None
         self.eval_split = eval_split or None
         self.held_out = self.train_rows = None  # None: every row trains (and synthetic data has no rows)
+        self.text_field, self.cache_dir = text_field, cache_dir
+        self.chat = chat_options(spec, text_field, chat_template, loss_on, long_conversations)
+        self.flags = self.chat_data = None  # chat data only: which targets count, where conversations start
         if self.synthetic:
             self.tokens, self.num_rows, self.steps_per_epoch = None, None, None
             return
-        self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
+        if self.chat is not None:
+            self.chat_data = tokenize_chat(spec, tokenizer, seq_len, self.chat, cache_dir=cache_dir, text_field=text_field)
+            self.tokens, self.flags = self.chat_data.tokens, self.chat_data.flags
+        else:
+            self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
         self.num_rows = max(len(self.tokens) - 1, 0) // seq_len
         n_train = self.num_rows
         if self.eval_split:
@@ -200,9 +239,7 @@ class DataLoader:
             return self._synthetic_batch(step, global_rows)
         epoch, k = divmod(step, self.steps_per_epoch)
         row_ids = self._permutation(epoch)[k * self.global_batch_size + global_rows]
-        T = self.seq_len
-        rows = np.stack([self.tokens[r * T : r * T + T + 1] for r in row_ids])
-        return pack_rows(rows, self.tokenizer.eos_id)
+        return read_rows(self.tokens, self.flags, row_ids, self.seq_len, self.tokenizer.eos_id)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         """The epoch's order of the training rows (all rows, or those not held out)."""
@@ -299,9 +336,13 @@ def make_loader(
     cache_dir: str | os.PathLike | None = None,
     text_field: str = "text",
     eval_split: float | None = None,
+    chat_template: str | None = None,
+    loss_on: str | None = None,
+    long_conversations: str | None = None,
 ) -> DataLoader:
     """A `DataLoader` for a `--dataset` spec (`stdlib`, `synthetic`, a path or glob, `hf:NAME`);
-    with `eval_split`, that share of the rows is held out of training (`meshlm.data.heldout`)."""
+    with `eval_split`, that share of the rows is held out of training (`meshlm.data.heldout`). Chat
+    data (`meshlm.data.chat`) is found by its `messages` and rendered with the chat options."""
     return DataLoader(
         dataset,
         tokenizer,
@@ -315,6 +356,9 @@ def make_loader(
         cache_dir=cache_dir,
         text_field=text_field,
         eval_split=eval_split,
+        chat_template=chat_template,
+        loss_on=loss_on,
+        long_conversations=long_conversations,
     )
 
 

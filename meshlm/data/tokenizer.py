@@ -76,6 +76,12 @@ class Tokenizer:
         tok = self._plain_text_tokenizer() if special_as_text else self._tok
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` (special tokens written in the text become their ids, as serving encodes a
+        prompt) and each token's (start, end) character span in `text`."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def _plain_text_tokenizer(self) -> tokenizers.Tokenizer:
         if self._as_text is None:
             self._as_text = tokenizers.Tokenizer.from_str(self._tok.to_str())

@@ -250,15 +250,19 @@ class Llama(nnx.Module):
         x = jnp.take(table, tokens, axis=0)
         return sharding.constrain(x, axes.STREAM), positions
 
-    def run_layers(self, x, positions, segment_ids=None, layers=None, *, return_kv: bool = False):
+    def run_layers(self, x, positions, segment_ids=None, layers=None, *, return_kv: bool = False, adapt=None):
         """The layer loop: one scan over stacked layers, each layer under the `cfg.remat` policy.
 
         `layers`: a stacked-layers parameter tree (leading axis: its layers; the tree of `params["layers"]`)
-        to run instead of this model's own, e.g. one layer group's or one pipeline stage's. Returns
-        (x, kv): kv the stacked (keys, values) with `return_kv`, else None."""
+        to run instead of this model's own, e.g. one layer group's or one pipeline stage's. `adapt`: a
+        function from one layer's slice of `layers` to that layer's weights, run inside the scan (LoRA
+        merges each layer's adapters there, one layer at a time). Returns (x, kv): kv the stacked (keys,
+        values) with `return_kv`, else None."""
         graphdef, own = nnx.split(self.layers)
 
         def layer(x, params):
+            if adapt is not None:
+                params = adapt(params)
             x, kv = nnx.merge(graphdef, params)(x, positions, segment_ids)
             return x, (kv if return_kv else None)
 

@@ -105,24 +105,33 @@ class Placement:
         """The model without weights (abstract): its parts run on parameter trees given to them."""
         return nnx.eval_shape(lambda: _build(self.cfg, 0))
 
-    def stream(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None) -> jax.Array:
+    def stream(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, extra=None,
+               adapt=None) -> jax.Array:
         """The residual stream [B, T, E] after the last layer (embedding and layers, not the head).
 
         The embedding runs under the main strategy; without layer groups the layers do too, with them
         each group is scanned under its own strategy, and at a boundary the stream moves from one
-        group's layout to the next one's (XLA reshards it). Call under jit."""
+        group's layout to the next one's (XLA reshards it). `extra` (a tree shaped like `params["layers"]`,
+        e.g. LoRA adapters) is scanned along with the layers and `adapt(layer, extra_layer)` makes each
+        layer's weights inside the scan. Call under jit."""
         model = self.structure
+
+        def run(x, positions, layers, more):
+            if adapt is None:
+                return model.run_layers(x, positions, segment_ids, layers)[0]
+            return model.run_layers(x, positions, segment_ids, (layers, more), adapt=lambda p: adapt(*p))[0]
+
         with sharding.activate(self.mesh, self.strategy):
             x, positions = model.embed_tokens(tokens, positions, params)
             if not self.groups:
-                return model.run_layers(x, positions, segment_ids, params["layers"])[0]
+                return run(x, positions, params["layers"], extra)
         for before, group in zip((None, *self.groups), self.groups):
             with sharding.activate(self.mesh, group.strategy):
                 if before is not None:  # the residual stream moves to this group's layout here
                     with jax.named_scope(f"boundary {before.key}>{group.key}"):
                         x = sharding.constrain(x, axes.STREAM)
                 with jax.named_scope(f"layers {group.key}"):
-                    x, _ = model.run_layers(x, positions, segment_ids, params["layers"][group.key])
+                    x = run(x, positions, params["layers"][group.key], None if extra is None else extra[group.key])
         return x
 
     def _apply_groups(self, params, tokens, positions, segment_ids):

@@ -13,7 +13,8 @@ every mesh; a preset only decides what each mesh axis is *for*:
     megatron_sp   —                tp                   dp, fsdp, sp      tp between tp regions
     fsdp_sp       fsdp, sp         —                    dp, fsdp          sp (RingAttention)
 
-In every preset the stacked `layers` axis goes over pp (pipeline stages) and `head_dim` stays whole.
+In every preset the stacked `layers` axis goes over pp (pipeline stages), and `head_dim` and a LoRA
+adapter's `lora_rank` stay whole (an adapter shards like its weight on the other axes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from meshlm.errors import UsageError
 from meshlm.sharding import Strategy
 
 ALL = ("dp", "fsdp", "tp", "sp")
-_WHOLE = {"heads": None, "kv_heads": None, "mlp": None, "vocab": None, "head_dim": None, "layers": "pp"}
+_WHOLE = {"heads": None, "kv_heads": None, "mlp": None, "vocab": None, "head_dim": None, "layers": "pp", "lora_rank": None}
 _TP = {**_WHOLE, "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"}
 
 
@@ -30,7 +31,8 @@ def _acts(batch, length=None, model=_WHOLE) -> dict:
     return {**model, "batch": batch, "length": length, "cache_length": length, "embed": None, "layers": None}
 
 
-_MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None}
+_MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None,
+                   "lora_rank": None}
 
 DEFAULT = Strategy(
     name="default",

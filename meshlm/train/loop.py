@@ -76,10 +76,13 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     from meshlm.checkpoint.manager import Checkpointer
     from meshlm.models.configs import describe
     from meshlm.train import metrics as M, report
+    from meshlm.config import profile_range
     from meshlm.train.console import plural, run_console
+    from meshlm.train.diagnostics import NonFiniteWatch, StepProfiler
     from meshlm.train.evaluate import Evaluator, eval_steps
     from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
+    from meshlm.train.state import checkpointed, eval_params, frozen_base, lora_for, lora_meta, with_base
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
     is_main = jax.process_index() == 0  # logs, progress and files come from process 0 only
@@ -88,6 +91,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     job = joblib.resolve(cfg)
     model_cfg, shape, dcn, pipeline, init_source = job.model, job.shape, job.dcn, job.pipeline, job.init_source
     strategy, rules, placement = job.strategy, job.rules, job.placement
+    lora = lora_for(cfg, placement)  # --lora_rank: adapters on a frozen base (None: every weight trains)
     if cfg.mp_mesh_dim:
         console.print(f"--mp_mesh_dim={cfg.mp_mesh_dim}{' --fsdp' if cfg.fsdp else ''} is --mesh_dim={shape}")
     out = Path(cfg.output_dir)
@@ -102,7 +106,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         found = [d for d in (init_source, init_source / "tokenizer") if (d / "tokenizer.json").is_file()]
         tokenizer_spec = str(found[0]) if found else None
     n_devices = jax.device_count()
-    tokenizer = data.load_tokenizer(tokenizer_spec, cfg.dataset, model_cfg.vocab_size)
+    tokenizer = data.load_tokenizer(tokenizer_spec, cfg.dataset, model_cfg.vocab_size, text_field=cfg.text_field)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UsageError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_cfg.vocab_size}; "
@@ -112,6 +116,8 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         cfg.dataset, tokenizer, cfg.seq_len, cfg.batch_size,
         process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
         eval_split=cfg.eval_split,  # None: every row trains, in the order it always had
+        text_field=cfg.text_field, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
+        long_conversations=cfg.long_conversations,  # chat data (meshlm.data.chat) only
     )
     eval_batches = data.make_eval_batches(loader, cfg.eval_dataset, cfg.eval_batches) if cfg.evaluates else None
 
@@ -148,13 +154,22 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                                                             f"training)" if loader.held_out is not None else
                                                             " (synthetic: random rows no training step draws)"))
                       + f", every {cfg.eval_every or max(1, cfg.steps // 10)} steps and after the last")
+    if loader.chat_data is not None:
+        console.print(loader.chat_data.describe(cfg.seq_len, loader.chat))
     schedule = {"lr": cfg.lr, "warmup_steps": warmup, "total_steps": schedule_steps, "min_lr_ratio": cfg.min_lr_ratio}
     run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "mesh": shape.flags, "seed": cfg.seed,
                 "schedule": schedule, "train": dataclasses.asdict(cfg)}
+    if lora is not None:
+        run_meta["lora"] = lora_meta(lora, init_source, cfg.seed)
+        console.print(f"LoRA: rank {lora.spec.rank}, alpha {lora.spec.alpha:g} on {len(lora.targets)} weights "
+                      f"({lora.n_params():,} trainable parameters); base frozen in {lora.spec.base_dtype}")
     checkpointer = Checkpointer(out / "checkpoints", keep=cfg.keep, save_every=cfg.save_every)
     latest = checkpointer.latest_step()
     if latest is not None:
-        state, data_state, saved_meta = checkpointer.restore(abstract_state(placement, optimizer), expect_meta=run_meta)
+        state, data_state, saved_meta = checkpointer.restore(
+            checkpointed(abstract_state(placement, optimizer, lora), lora), expect_meta=run_meta)
+        if lora is not None:
+            state = with_base(state, frozen_base(placement, lora, init_source, cfg.seed))
         loader.restore(data_state)
         console.print(report.resumed(checkpointer.directory / str(latest), int(state.step), saved_meta, shape.flags))
         change = report.schedule_change(report.schedule_of(saved_meta), schedule, int(state.step), cfg.steps)
@@ -163,12 +178,12 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     elif init_source is not None:
         from meshlm.checkpoint.weights import load_params
 
-        state = train_state_from_params(placement, optimizer, load_params(init_source, placement))
+        state = train_state_from_params(placement, optimizer, load_params(init_source, placement), lora, cfg.seed)
         console.print(f"initialised from {init_source}")
     else:
-        state = create_train_state(placement, optimizer, cfg.seed)
+        state = create_train_state(placement, optimizer, cfg.seed, lora)
     first_step = int(state.step) + 1
-    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline)
+    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline, lora)
     perm = sequence_permutation(placement, cfg.seq_len)
     evaluator = Evaluator(placement, eval_batches, perm) if eval_batches is not None else None
     eval_due = eval_steps(cfg.eval_every, cfg.steps)
@@ -178,12 +193,15 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     logger = M.MetricsLogger(
         out, flops_per_token=model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
         n_devices=n_devices, total_steps=cfg.steps, log_every=cfg.log_every, enabled=is_main,
+        tracker=cfg.tracker, run_config=run_meta,
     )
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(run_meta, indent=2, default=str))
         if hasattr(tokenizer, "path"):
             tokenizer.save(out / "tokenizer")
+            if loader.chat_data is not None:  # served as it was trained
+                loader.chat_data.save_template(out / "tokenizer")
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     history: list[dict] = []
@@ -191,12 +209,17 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     compile_s = None
     stop = StopRequest()
     saved_at = first_step - 1
+    watch, diverged = NonFiniteWatch(), None  # the first NaN/Inf loss or gradient norm ends the run
+    profiler = StepProfiler(profile_range(cfg.profile_steps) if cfg.profile_steps else None, out / "profile", is_main)
     with stop, M.TrainProgress(cfg.steps, enabled=is_main, console=console) as progress:
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(first_step, cfg.steps + 1):
             batch = put_batch(placement, next(loader), perm)
+            if line := profiler.before(step, first_step):
+                console.print(line)
             t0 = time.perf_counter()
             state, step_metrics = step_fn(state, batch)
+            watch.observe(step, step_metrics)  # on the device: no host sync
             tokens_since += tokens_per_step
             if step == first_step:
                 jax.block_until_ready(step_metrics)
@@ -219,24 +242,33 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                 progress.update(step, row)
             else:
                 progress.update(step, None)
+            if line := profiler.after(step, state):
+                console.print(line)
+            saving = checkpointer.should_save(step) or stop.requested or step == cfg.steps
+            if (saving or step % cfg.log_every == 0) and (diverged := watch.check(step, state.params if saving else None)):
+                console.print(report.diverged(diverged, saved_at if saved_at >= 1 else None, out))
+                break  # nothing more is saved: the newest checkpoint is the last good one
             if evaluator is not None and eval_due(step) and not stop.requested:
                 jax.block_until_ready(state.params)  # the train steps' time stays theirs ...
                 t_eval = time.perf_counter()
-                result = logger.log_eval(step, evaluator(state.params))
+                result = logger.log_eval(step, evaluator(eval_params(state.params, lora)))
                 evals.append(result)
                 if is_main:
                     M.print_metrics_line(result, console=console)
                 t_last += time.perf_counter() - t_eval  # ... and the evaluation's is left out of tok/s
             if checkpointer.should_save(step) or stop.requested or step == cfg.steps:
-                checkpointer.save(step, state, loader.state(), run_meta)
+                checkpointer.save(step, checkpointed(state, lora), loader.state(), run_meta)
                 saved_at = step
             if stop.requested:
                 break
+    if line := profiler.close():
+        console.print(line)
     checkpointer.close()  # waits for the last asynchronous save
     logger.close(title=f"{cfg.model or init_source or 'tiny'} on {shape.flags}")
     last_step = saved_at
     summary = {
         "interrupted": stop.requested,
+        "diverged": diverged.step if diverged else None,
         "already_done": False,
         "checkpoint_step": saved_at,
         "first_step": first_step,
@@ -251,7 +283,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         "history": history,
         "evals": evals,
     }
-    if is_main:
+    if is_main and not diverged:
         for line in report.summary_lines(
             first_step=first_step, last_step=last_step, total_steps=cfg.steps, history=history, evals=evals,
             stopped=stop.requested, output_dir=cfg.output_dir,

@@ -1,5 +1,5 @@
 """Training metrics: the peak FLOP/s MFU is measured against, MFU, and where they are written (JSONL,
-TensorBoard, PNG). The FLOPs of a step and the peak table live in meshlm.flops.
+a tracker — TensorBoard, wandb or none, meshlm.train.tracking — and PNG). The FLOPs of a step and the peak table live in meshlm.flops.
 
     flops_per_token = model_flops_per_token(cfg, seq_len)
     peak, source = resolve_peak(args.peak_tflops, cfg.dtype)
@@ -73,7 +73,8 @@ def _json_safe(v: Any) -> Any:
 
 
 class MetricsLogger:
-    """Derives throughput and MFU from (tokens, seconds) and writes `metrics.jsonl`, `tb/`, `loss.png`.
+    """Derives throughput and MFU from (tokens, seconds) and writes `metrics.jsonl`, the tracker's files
+    (`tracker`: tensorboard's `tb/`, wandb or none), `loss.png`.
 
     One JSON object per `log()` or `log_eval()` call, appended to OUTPUT_DIR/metrics.jsonl (so a resumed
     run continues the file; evaluation rows have `eval_loss` and no `loss`); non-finite numbers are
@@ -83,7 +84,8 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: str | Path, *, flops_per_token: float, peak_flops_per_device: float,
-                 n_devices: int, total_steps: int, log_every: int, enabled: bool = True, title: str = ""):
+                 n_devices: int, total_steps: int, log_every: int, enabled: bool = True, title: str = "",
+                 tracker: str = "tensorboard", run_config: dict | None = None):
         self.output_dir = Path(output_dir)
         self.flops_per_token, self.peak = float(flops_per_token), float(peak_flops_per_device)
         self.n_devices, self.total_steps, self.log_every = n_devices, total_steps, max(1, log_every)
@@ -97,9 +99,9 @@ class MetricsLogger:
             self._file = open(path, "a", buffering=1)
             if torn:  # a run killed mid-line: the next row starts on a line of its own
                 self._file.write("\n")
-            from tensorboardX import SummaryWriter
+            from meshlm.train.tracking import open_tracker
 
-            self._tb = SummaryWriter(str(self.output_dir / "tb"))
+            self._tb = open_tracker(tracker, self.output_dir, config=run_config)
 
     def should_log(self, step: int) -> bool:
         """True on every `log_every`-th step and on the last one."""
@@ -129,15 +131,16 @@ class MetricsLogger:
 
     def _write(self, m: dict, prefix=lambda k: k) -> None:
         self._file.write(json.dumps({k: _json_safe(v) for k, v in m.items()}, allow_nan=False) + "\n")
-        for k, v in m.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self._tb.add_scalar(prefix(k), v, m["step"])
+        if self._tb is not None:
+            self._tb.log({prefix(k): v for k, v in m.items() if k != "step" and isinstance(v, (int, float))
+                          and not isinstance(v, bool) and math.isfinite(v)}, m["step"])
 
     def close(self, title: str | None = None) -> None:
         """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""
         if not self.enabled or self._file is None:
             return
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
         self._file.close()
         self._file = self._tb = None
         from meshlm.train.plot import plot_run, read_metrics

@@ -1,5 +1,5 @@
 """What a training run says about itself: a resume (mesh, learning-rate schedule), a run that has
-nothing left to do, and the closing summary of the steps this process ran.
+nothing left to do, a run stopped by a NaN/Inf, and the closing summary of the steps this process ran.
 
 Every message is one line and names what to do next. The functions take plain values (the
 checkpoint's metadata as `meshlm.train.loop` saves it, step numbers, paths) and return strings, so
@@ -24,6 +24,14 @@ def already_done(output_dir: str | Path, at_step: int, steps: int) -> str:
     where = f"already at step {at_step}" + (f", past --steps={steps}" if at_step > steps else f" (--steps={steps})")
     return (f"{output_dir} is {where}: nothing to train. To continue it, raise --steps (e.g. --steps={at_step + steps}); "
             f"to start another run, pass a new --output_dir; to use it, `{generate_command(output_dir)}`")
+
+
+def diverged(bad, last_good: int | None, output_dir: str | Path) -> str:
+    """The run stopped at a NaN/Inf (`bad`: meshlm.train.diagnostics.NonFinite) without saving: where the last
+    good checkpoint is, and what to change."""
+    keep = (f"the last good checkpoint, {Path(output_dir) / 'checkpoints' / str(last_good)}, is kept: re-run to "
+            f"resume from it" if last_good is not None else "no checkpoint was saved before it: re-run")
+    return f"stopped at step {bad.step}: {bad.what()}; {keep} with a lower --lr or a --clip_norm (exit code 1)"
 
 
 def saved_mesh(meta: dict) -> str | None:
@@ -101,7 +109,7 @@ def summary_lines(*, first_step: int, last_step: int, total_steps: int, history:
     lines = ["; ".join(parts)]
     if checkpoint is not None:
         lines.append(f"checkpoint {checkpoint}; metrics in {out / 'metrics.jsonl'}, the whole run's curve in "
-                     f"{out / 'loss.png'}, TensorBoard in {out / 'tb'}")
+                     f"{out / 'loss.png'}" + (f", TensorBoard in {out / 'tb'}" if (out / "tb").is_dir() else ""))
     if stopped:
         lines.append(f"next: the same command resumes from step {last_step}")
     elif last_step < total_steps:

@@ -8,6 +8,10 @@ Gradients are laid out as the placement says (`grad_specs`). With `--zero_stage`
 shard computes its own gradients in a `shard_map` over the data axes and one explicit collective
 combines them: an all-reduce (stages 0, 1) or a reduce-scatter onto the sharded layout (stage 2).
 Otherwise (stage 3, or no stage) XLA's partitioner places the collectives.
+
+With LoRA (`lora=`, a `meshlm.models.lora.LoraPlacement`) the state's params are {"base", "lora"}: the
+gradients, the clipping and the AdamW update are the adapters' alone, and the frozen base passes
+through the step untouched (donated, so not copied).
 """
 
 from __future__ import annotations
@@ -50,10 +54,18 @@ def _micro_batches(batch: dict, n: int, placement: Placement) -> dict:
     return {k: split(v) for k, v in batch.items()}
 
 
-def _accumulate(grad_fn: Callable, params: Any, micro: dict):
+def _grad_fn(placement: Placement, lora=None) -> Callable:
+    """`f(trained, batch, frozen) -> ((loss sum, count), gradients of the trained tree)`: the params, or
+    with `lora` the adapters over the frozen base."""
+    if lora is None:
+        return jax.value_and_grad(lambda p, b, _: loss_sums(placement, p, b), has_aux=True)
+    return jax.value_and_grad(lambda a, b, base: lora.loss_sums(placement, base, a, b), has_aux=True)
+
+
+def _accumulate(grad_fn: Callable, params: Any, micro: dict, frozen: Any = None):
     """Sums of losses, token counts and gradients over the leading micro-batch axis (one scan)."""
     def accumulate(carry, one):
-        (nll, count), grads = grad_fn(params, one)
+        (nll, count), grads = grad_fn(params, one, frozen)
         return jax.tree.map(jnp.add, carry, (nll, count, grads)), None
 
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
@@ -79,34 +91,39 @@ def _combine(g: jax.Array, spec: jax.sharding.PartitionSpec, data: tuple[str, ..
     return g
 
 
-def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1) -> Callable:
-    """ZeRO stages 0–2: `f(params, batch) -> (loss sum, token count, summed gradients)`, each data shard
-    working on its own rows with the whole (replicated) weights, one collective per gradient."""
+def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=None) -> Callable:
+    """ZeRO stages 0–2: `f(params, batch, frozen) -> (loss sum, token count, summed gradients)`, each data
+    shard working on its own rows with the whole (replicated) weights, one collective per gradient."""
     mesh = placement.mesh
     data = placement.strategy.data_axes(mesh)
     local = dataclasses.replace(placement, strategy=_drop_axes(placement.strategy, data),
                                 groups=tuple(dataclasses.replace(g, strategy=_drop_axes(g.strategy, data))
                                              for g in placement.groups))
     local.structure  # noqa: B018  built (abstractly) here: no parameter can be declared inside the shard_map
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(local, p, b), has_aux=True)
+    grad_fn = _grad_fn(local, lora)
     grad_specs = placement.grad_specs if placement.grad_specs is not None else placement.specs
+    frozen_specs = None
+    if lora is not None:
+        grad_specs, frozen_specs = lora.grad_specs, placement.specs
     P = jax.sharding.PartitionSpec
     on_data = lambda spec: P(*(tuple(a for a in sharding.as_tuple(e) if a in data) or None for e in spec))  # noqa: E731
 
-    def body(params, batch):
+    def body(params, batch, frozen):
         if grad_accum == 1:
-            (nll, count), grads = grad_fn(params, batch)
+            (nll, count), grads = grad_fn(params, batch, frozen)
         else:
-            nll, count, grads = _accumulate(grad_fn, params, {k: micro_batches(v, grad_accum) for k, v in batch.items()})
+            nll, count, grads = _accumulate(grad_fn, params, {k: micro_batches(v, grad_accum) for k, v in batch.items()},
+                                            frozen)
         nll, count = jax.lax.psum((nll, count), data)
         grads = jax.tree.map(lambda g, spec: _combine(g, spec, data), grads, grad_specs,
                              is_leaf=lambda x: isinstance(x, P))
         return nll, count, grads
 
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    whole = lambda specs: jax.tree.map(lambda _: P(), specs, is_leaf=is_spec)  # noqa: E731
     return jax.shard_map(
         body, mesh=mesh, axis_names=set(data), check_vma=False,
-        in_specs=(jax.tree.map(lambda _: P(), grad_specs, is_leaf=is_spec), P(data)),
+        in_specs=(whole(grad_specs), P(data), None if frozen_specs is None else whole(frozen_specs)),
         out_specs=(P(), P(), jax.tree.map(on_data, grad_specs, is_leaf=is_spec)),
     )
 
@@ -117,23 +134,26 @@ def make_train_step(
     schedule: optax.Schedule | None = None,
     grad_accum: int = 1,
     pipeline: Schedule | None = None,
+    lora=None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """`step(state, batch) -> (state, metrics)`; the state's buffers are donated (updated in place).
 
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
-    (`meshlm.models.pipelined`); the update is the same."""
-    mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline)
+    (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train."""
+    mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
 
     def step(state: TrainState, batch: dict):
-        nll, count, grads = mean_loss_grads(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trained, frozen = (state.params["lora"], state.params["base"]) if lora is not None else (state.params, None)
+        nll, count, grads = mean_loss_grads(trained, batch, frozen)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+        trained = optax.apply_updates(trained, updates)
+        params = {"base": frozen, "lora": trained} if lora is not None else trained
         metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "tokens": count}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    shardings = state_shardings(placement, optimizer)
+    shardings = state_shardings(placement, optimizer, lora)
     batch_shardings = {k: sharding.batch_sharding(placement.mesh, placement.strategy) for k in BATCH_KEYS}
     return jax.jit(
         step,
@@ -143,28 +163,33 @@ def make_train_step(
     )
 
 
-def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None) -> Callable:
-    """`f(params, batch) -> (sum of token losses, token count, gradients of the mean loss)`, the
-    gradients in the placement's gradient layout. Traceable (the train step's first half)."""
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(placement, p, b), has_aux=True)
+def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None,
+                    lora=None) -> Callable:
+    """`f(params, batch, frozen=None) -> (sum of token losses, token count, gradients of the mean loss)`,
+    the gradients in the placement's gradient layout. Traceable (the train step's first half). With
+    `lora`, `params` are the adapters and `frozen` the base weights."""
+    grad_fn = _grad_fn(placement, lora)
     stage = placement.strategy.zero_stage
     explicit = stage is not None and stage < 3 and placement.strategy.data_axes(placement.mesh)
     if explicit and pipeline is not None:
         raise UsageError(f"--zero_stage={stage} with --pp: the pipeline keeps XLA's collectives; use --zero_stage=3 or none")
-    local_grads = data_parallel_loss_grads(placement, grad_accum) if explicit else None
+    if lora is not None and pipeline is not None:
+        raise UsageError("--lora_rank with --pp: LoRA does not run pipelined yet; drop --pp (or pp: in --mesh_dim)")
+    local_grads = data_parallel_loss_grads(placement, grad_accum, lora) if explicit else None
+    grad_shardings = lora.grad_shardings if lora is not None else placement.grad_shardings
 
-    def mean_loss_grads(params, batch):
+    def mean_loss_grads(params, batch, frozen=None):
         if pipeline is not None:
             (nll, count), grads = pipelined_loss_and_grads(placement, pipeline, params, batch)
             return nll, count, jax.lax.with_sharding_constraint(grads, placement.grad_shardings)
         if local_grads is not None:
-            nll, count, grads = local_grads(params, batch)
+            nll, count, grads = local_grads(params, batch, frozen)
         elif grad_accum == 1:
-            (nll, count), grads = grad_fn(params, batch)
+            (nll, count), grads = grad_fn(params, batch, frozen)
         else:
-            nll, count, grads = _accumulate(grad_fn, params, _micro_batches(batch, grad_accum, placement))
+            nll, count, grads = _accumulate(grad_fn, params, _micro_batches(batch, grad_accum, placement), frozen)
         count = jnp.maximum(count, 1.0)
-        grads = jax.lax.with_sharding_constraint(grads, placement.grad_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         return nll, count, jax.tree.map(lambda g: g / count, grads)
 
     return mean_loss_grads
@@ -200,15 +225,18 @@ def abstract_batch(placement: Placement, batch_size: int, seq_len: int) -> dict:
 
 
 def compile_step(placement: Placement, optimizer: optax.GradientTransformation, batch_size: int, seq_len: int,
-                 grad_accum: int = 1, schedule: optax.Schedule | None = None, with_grads: bool = True):
+                 grad_accum: int = 1, schedule: optax.Schedule | None = None, with_grads: bool = True, lora=None):
     """(compiled train step, compiled gradient function or None, abstract batch), nothing allocated. The
     compiled step can be called like the jitted one; the gradient function's outputs are the step's gradients."""
     from meshlm.train.state import abstract_state
 
-    state, batch = abstract_state(placement, optimizer), abstract_batch(placement, batch_size, seq_len)
-    step = make_train_step(placement, optimizer, schedule, grad_accum).lower(state, batch).compile()
+    state, batch = abstract_state(placement, optimizer, lora), abstract_batch(placement, batch_size, seq_len)
+    step = make_train_step(placement, optimizer, schedule, grad_accum, lora=lora).lower(state, batch).compile()
     if not with_grads:
         return step, None, batch
-    loss_grads = make_loss_grads(placement, grad_accum)
-    grads = jax.jit(lambda p, b: loss_grads(p, b)[2], out_shardings=placement.grad_shardings)
+    loss_grads = make_loss_grads(placement, grad_accum, lora=lora)
+    if lora is not None:
+        grads = jax.jit(lambda p, b: loss_grads(p["lora"], b, p["base"])[2], out_shardings=lora.grad_shardings)
+    else:
+        grads = jax.jit(lambda p, b: loss_grads(p, b)[2], out_shardings=placement.grad_shardings)
     return step, grads.lower(state.params, batch).compile(), batch

@@ -1,0 +1,123 @@
+"""Diagnostics inside the training loop: the first step whose loss or gradient norm is NaN/Inf, and a
+jax.profiler trace of chosen steps (`--profile_steps=A:B`).
+
+`NonFiniteWatch` adds no host sync to a step: each step folds the step's loss and gradient norm into
+a small device array (one tiny asynchronous computation); the loop reads it only where it reads the
+device anyway, at log steps and before a checkpoint is saved, so no checkpoint ever holds the weights
+of a step that went NaN.
+
+    watch = NonFiniteWatch()
+    state, metrics = step_fn(state, batch); watch.observe(step, metrics)
+    if (bad := watch.check(step)) is not None: print(bad.what())   # "the loss became nan"
+
+`StepProfiler` starts the trace before step A and stops it after step B (or when the loop ends first),
+in `<run>/profile/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """The first step whose loss or gradient norm was not finite, and their values there."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    weights: bool = False  # the weights went NaN/Inf while the loss and gradient norm stayed finite
+
+    def what(self) -> str:
+        if self.weights:
+            return "the weights became NaN/Inf"
+        bad = [f"{name} became {value}" for name, value in (("the loss", self.loss), ("the gradient norm", self.grad_norm))
+               if not math.isfinite(value)]
+        return " and ".join(bad)
+
+
+class NonFiniteWatch:
+    """Remembers, on the device, the first step with a NaN/Inf loss or gradient norm (see the module docstring)."""
+
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        def fold(seen, step, loss, grad_norm):
+            loss, grad_norm = loss.astype(jnp.float32), grad_norm.astype(jnp.float32)
+            bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+            new = jnp.stack([step.astype(jnp.float32), loss, grad_norm])
+            return jnp.where((seen[0] == 0) & bad, new, seen)
+
+        self._fold = jax.jit(fold)
+        self._all_finite = jax.jit(lambda tree: jnp.all(jnp.stack(
+            [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)])))
+        self._seen = None
+        self._zeros = lambda: jnp.zeros(3, jnp.float32)
+
+    def observe(self, step: int, metrics: dict) -> None:
+        """Fold one step's metrics in (asynchronous: nothing waits for the step to finish)."""
+        import numpy as np
+
+        if "grad_norm" not in metrics:
+            return
+        seen = self._seen if self._seen is not None else self._zeros()
+        self._seen = self._fold(seen, np.int32(step), metrics["loss"], metrics["grad_norm"])
+
+    def check(self, step: int, params=None) -> NonFinite | None:
+        """The first bad step seen so far, or None (waits for the steps observed so far). With `params`
+        (before a save), weights that are not all finite after `step` are bad too."""
+        import jax
+
+        if self._seen is not None:
+            first, loss, grad_norm = (float(v) for v in jax.device_get(self._seen))
+            if first:
+                return NonFinite(int(first), loss, grad_norm)
+        if params is not None and not bool(jax.device_get(self._all_finite(params))):
+            return NonFinite(step, math.nan, math.nan, weights=True)
+        return None
+
+
+class StepProfiler:
+    """A jax.profiler trace of steps `first`..`last` into `directory` (nothing when `steps` is None)."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path, enabled: bool = True):
+        self.steps, self.directory, self.enabled = steps, Path(directory), enabled and steps is not None
+        self.active = False
+
+    def before(self, step: int, first_step: int) -> str | None:
+        """Start tracing when `step` is the first profiled step this run reaches; the line to log, or None."""
+        if not self.enabled or self.active or step > self.steps[1] or step != max(self.steps[0], first_step):
+            return None
+        import jax
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.directory))
+        self.active = True
+        return f"profiling steps {step}..{self.steps[1]} into {self.directory}"
+
+    def after(self, step: int, state) -> str | None:
+        """Stop after the last profiled step (waiting for it to finish); the line to log, or None."""
+        if not self.active or step < self.steps[1]:
+            return None
+        import jax
+
+        jax.block_until_ready(state)
+        return self.close()
+
+    def close(self) -> str | None:
+        """Stop a trace still running (the loop ended early); the line naming the trace file."""
+        if not self.active:
+            return None
+        import jax
+
+        jax.profiler.stop_trace()
+        self.active = False
+        traces = sorted(self.directory.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+        where = traces[-1] if traces else self.directory
+        return f"profile written to {where} (open {self.directory} in TensorBoard's profile tab, or the trace in Perfetto)"
+
+
+__all__ = ["NonFinite", "NonFiniteWatch", "StepProfiler"]

@@ -1,0 +1,104 @@
+"""LoRA adapters out of a checkpoint: a PEFT folder that peft loads onto the Hugging Face base with the same
+logits as meshlm, merged weights equal to base + scale·B·A, and bad export flags as one line."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from meshlm.checkpoint.manager import Checkpointer
+from meshlm.checkpoint.safetensors_io import read_header
+from meshlm.checkpoint.weights import load_params, read_model_config
+from meshlm.cli import main
+from meshlm.models.lora import DEFAULT_TARGETS, LoraSpec, place_lora
+from meshlm.models.placement import place
+from meshlm.train.state import TrainState, checkpointed, lora_meta
+from tests.support.hf import hf_folder_logits, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama
+
+SPEC = LoraSpec(rank=4, alpha=8.0, targets=DEFAULT_TARGETS + "|^lm_head$")
+HF = small_hf_config()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A Hugging Face base folder, and a LoRA run's checkpoint on it with random (non-zero) A and B."""
+    root = tmp_path_factory.mktemp("lora")
+    torch_llama(HF).save_pretrained(root / "base")
+    cfg = read_model_config(root / "base").replace(dtype="float32")
+    placement = place(cfg, mesh_of("1,2,2,1"))
+    lora = place_lora(placement, SPEC)
+    rng = np.random.default_rng(1)
+    adapters = jax.tree.map(lambda s, sh: jax.device_put(rng.normal(0, 0.2, s.shape).astype(s.dtype), sh),
+                            lora.shapes, lora.shardings)
+    base = load_params(root / "base", placement)
+    state = TrainState(jnp.zeros((), jnp.int32), {"base": base, "lora": adapters}, optax.adamw(1e-3).init(adapters))
+    ckpt = Checkpointer(root / "run" / "checkpoints", async_save=False)
+    ckpt.save(3, checkpointed(state, lora), {"position": 0},
+              {"model": dataclasses.asdict(cfg), "lora": lora_meta(lora, root / "base", 0)})
+    ckpt.close()
+    tokens = tokens_for(cfg.vocab_size)
+    logits = meshlm_logits(placement, jax.jit(lora.merge)(base, adapters), tokens)
+    base_logits = meshlm_logits(placement, base, tokens)
+    return dict(root=root, cfg=cfg, tokens=tokens, logits=logits, base_logits=base_logits)
+
+
+def test_peft_adapter_loads_in_peft_with_meshlm_logits(run):
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out = run["root"] / "peft"
+    assert main(["export", f"--checkpoint={run['root'] / 'run'}", f"--out={out}", "--lora_format=peft"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and "lm_head" in config["target_modules"]
+    names = read_header(out / "adapter_model.safetensors")
+    E, H, D = HF["hidden_size"], HF["num_attention_heads"], HF["hidden_size"] // HF["num_attention_heads"]
+    prefix = "base_model.model.model.layers.1."
+    assert names[prefix + "self_attn.o_proj.lora_A.weight"].shape == (4, H * D)
+    assert names[prefix + "self_attn.o_proj.lora_B.weight"].shape == (E, 4)
+    assert names[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, HF["intermediate_size"])
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(run["root"] / "base"), dtype=torch.float32, attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(model, str(out)).eval()
+    with torch.no_grad():
+        got = model(torch.as_tensor(run["tokens"], dtype=torch.long)).logits.float().numpy()
+    assert np.abs(run["logits"] - run["base_logits"]).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(got, run["logits"], atol=1e-4)
+
+
+def test_merged_export_is_base_plus_adapter(run):
+    from safetensors.numpy import load_file
+
+    root = run["root"]
+    peft_dir, merged = root / "peft_for_merge", root / "merged"
+    assert main(["export", f"--checkpoint={root / 'run'}", f"--out={peft_dir}", "--lora_format=peft"]) == 0
+    assert main(["export", f"--checkpoint={root / 'run'}", f"--out={merged}", "--merge"]) == 0
+    base, lora = load_file(str(root / "base" / "model.safetensors")), load_file(str(peft_dir / "adapter_model.safetensors"))
+    out = load_file(str(merged / "model.safetensors"))
+    assert set(out) == set(base)
+    adapted = 0
+    for name, w in base.items():
+        module = "base_model.model." + name.removesuffix(".weight")
+        want = w
+        if f"{module}.lora_A.weight" in lora:
+            want = w + (8.0 / 4) * lora[f"{module}.lora_B.weight"] @ lora[f"{module}.lora_A.weight"]
+            adapted += 1
+        np.testing.assert_allclose(out[name], want, atol=1e-5, err_msg=name)
+    assert adapted == 7 * HF["num_hidden_layers"] + 1
+    np.testing.assert_allclose(hf_folder_logits(merged, run["tokens"]), run["logits"], atol=1e-4)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lora_format=gguf"], "--lora_format=gguf: the one format is peft"),
+    (["--lora_format=peft", "--merge"], "pass one of them"),
+    (["--base=x"], "add --lora_format=peft or --merge"),
+    ([], "--lora_format=peft writes the adapters"),
+])
+def test_bad_export_flags_one_line(run, tmp_path, capsys, flags, says):
+    code = main(["export", f"--checkpoint={run['root'] / 'run'}", f"--out={tmp_path / 'o'}", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and says in err and "\n" not in err, err
