@@ -32,6 +32,9 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
                    help="a run's output_dir (or checkpoints/N), a `meshlm export`/`convert` folder, or a Hugging "
                         "Face folder (config.json + *.safetensors; an hf: prefix is optional)")
     g.add_argument("--step", type=int, help="which training checkpoint step (default: newest)")
+    g.add_argument("--base", metavar="DIR",
+                   help="a LoRA run's checkpoint is served as its base with the adapters merged in; the base model "
+                        "folder, when it is no longer where the run recorded it (docs/lora.md)")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json to use instead of the one beside the weights")
     g.add_argument("--mesh_dim", default="1,1,-1,1",
                    help="dp,fsdp,tp,sp as in `meshlm train` [default: 1,1,-1,1, tensor parallel over all devices]")
@@ -89,7 +92,8 @@ def load(args, console):
     t0 = time.perf_counter()
     with console.status(f"loading {args.checkpoint} onto --mesh_dim={args.mesh_dim} ({n} {jax.devices()[0].platform})"):
         model, job = load_model(args.checkpoint, mesh_dim=args.mesh_dim, dtype=args.dtype, max_batch=args.max_batch,
-                                max_seq_len=args.max_seq_len, step=args.step, tokenizer=args.tokenizer)
+                                max_seq_len=args.max_seq_len, step=args.step, tokenizer=args.tokenizer,
+                                base=args.base)
     if job.dcn is not None:
         console.print(f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
                       f"--dcn_mesh_dim={job.dcn} ({', '.join(f'{k}={v}' for k, v in job.dcn.as_dict().items() if v > 1)})")

@@ -3,9 +3,11 @@
     model, job = load_model("outputs/run")                       # a run's output_dir or one of its checkpoints
     model, job = load_model("exported/", mesh_dim="1,1,2,1")     # `meshlm export` / `meshlm convert` output
     model, job = load_model("hf:Llama-3.2-1B/", dtype="bfloat16")  # a Hugging Face folder (hf: is optional)
+    model, job = load_model("outputs/lora", base="llama/")       # a LoRA run: its base + adapters, merged
 
 The mesh, the dtype and the decode batch are checked by meshlm.job.resolve_serving against the
-model's config before any weight is read.
+model's config before any weight is read. A LoRA run's checkpoint is merged on the mesh as it loads
+(meshlm.serve.lora_loading); `base` replaces the base folder it recorded.
 """
 
 from __future__ import annotations
@@ -49,18 +51,34 @@ def read_chat_template(files: dict[str, Path]) -> str | None:
 
 def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str = "auto",
                max_batch: int | None = None, max_seq_len: int | None = None, step: int | None = None, tokenizer: str | None = None,
-               name: str | None = None):
+               name: str | None = None, base: str | Path | None = None):
     """(LoadedModel, meshlm.job.Job): weights from any source meshlm reads, each device reading only
-    its own shards, on the mesh `mesh_dim` of the devices JAX has."""
+    its own shards, on the mesh `mesh_dim` of the devices JAX has. `base`: for a LoRA run's
+    checkpoint, the base model folder when it is no longer where the run recorded it."""
+    from meshlm.checkpoint.train_checkpoint import config_from_meta
     from meshlm.checkpoint.weights import open_source, parse_init_from
     from meshlm.data.tokenizer import Tokenizer
     from meshlm.job import resolve_serving
+    from meshlm.serve.lora_loading import lora_meta, merged_params
 
     path = parse_init_from(str(checkpoint)) if str(checkpoint).startswith("hf:") else Path(checkpoint).expanduser()
-    with open_source(path, step) as source:
-        job = resolve_serving(source.cfg, mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len)
-        params = source.load(job.placement)
-        files = _tokenizer_files(source.carried)
+    meta = lora_meta(path, step) if path.exists() else None
+    if meta is not None:
+        if base is not None and str(base).startswith("hf:"):
+            base = Path(str(base)[3:]).expanduser()
+        job = resolve_serving(config_from_meta(meta["model"]), mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch,
+                              max_seq_len=max_seq_len)
+        params, carried = merged_params(job, path, step, meta, base)
+        files = _tokenizer_files(carried)
+    else:
+        with open_source(path, step) as source:
+            if base is not None:
+                raise UsageError(f"--base={base} is only for a LoRA run's checkpoint, and {path} holds whole "
+                                 "weights; drop --base")
+            job = resolve_serving(source.cfg, mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch,
+                                  max_seq_len=max_seq_len)
+            params = source.load(job.placement)
+            files = _tokenizer_files(source.carried)
     cfg = job.model
     if tokenizer is not None:
         tok = Tokenizer.from_file(tokenizer)

@@ -2,7 +2,9 @@
 
 The loss is the mean token cross-entropy (float32) over tokens whose `loss_mask` is 1. With gradient
 accumulation the step sums losses and token counts over micro-batches and divides once, so the update
-is exactly the one of a single large batch.
+is exactly the one of a single large batch. The division is by max(count, 1): a batch that counts no
+token (chat rows holding only prompt tokens) has loss 0 and zero gradients, not 0/0 = NaN, and the
+step reports `tokens` 0.
 
 Gradients are laid out as the placement says (`grad_specs`). With `--zero_stage` 0, 1 or 2 each data
 shard computes its own gradients in a `shard_map` over the data axes and one explicit collective
@@ -148,7 +150,7 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, state.opt_state, trained)
         trained = optax.apply_updates(trained, updates)
         params = {"base": frozen, "lora": trained} if lora is not None else trained
-        metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        metrics = {"loss": nll / jnp.maximum(count, 1.0), "grad_norm": optax.tree.norm(grads), "tokens": count}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics
@@ -166,8 +168,9 @@ def make_train_step(
 def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None,
                     lora=None) -> Callable:
     """`f(params, batch, frozen=None) -> (sum of token losses, token count, gradients of the mean loss)`,
-    the gradients in the placement's gradient layout. Traceable (the train step's first half). With
-    `lora`, `params` are the adapters and `frozen` the base weights."""
+    the gradients in the placement's gradient layout; the mean is over max(count, 1) tokens (zero
+    gradients when no token counts). Traceable (the train step's first half). With `lora`, `params`
+    are the adapters and `frozen` the base weights."""
     grad_fn = _grad_fn(placement, lora)
     stage = placement.strategy.zero_stage
     explicit = stage is not None and stage < 3 and placement.strategy.data_axes(placement.mesh)
@@ -179,8 +182,9 @@ def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedul
     grad_shardings = lora.grad_shardings if lora is not None else placement.grad_shardings
 
     def mean_loss_grads(params, batch, frozen=None):
-        if pipeline is not None:
-            (nll, count), grads = pipelined_loss_and_grads(placement, pipeline, params, batch)
+        if pipeline is not None:  # gradients already over max(count, 1); its count is clamped: report the true one
+            (nll, _), grads = pipelined_loss_and_grads(placement, pipeline, params, batch)
+            count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
             return nll, count, jax.lax.with_sharding_constraint(grads, placement.grad_shardings)
         if local_grads is not None:
             nll, count, grads = local_grads(params, batch, frozen)
@@ -188,9 +192,9 @@ def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedul
             (nll, count), grads = grad_fn(params, batch, frozen)
         else:
             nll, count, grads = _accumulate(grad_fn, params, _micro_batches(batch, grad_accum, placement), frozen)
-        count = jnp.maximum(count, 1.0)
+        tokens = jnp.maximum(count, 1.0)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        return nll, count, jax.tree.map(lambda g: g / count, grads)
+        return nll, count, jax.tree.map(lambda g: g / tokens, grads)
 
     return mean_loss_grads
 
