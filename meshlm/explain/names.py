@@ -31,6 +31,8 @@ TRANSFORMS = re.compile(r"\b(transpose|jvp|jit|vmap|remat|checkpoint|custom_jvp_
 
 def _one(name: str) -> str:
     backward = name.startswith("transpose(")
+    if scope := re.search(r"boundary \d+-\d+>\d+-\d+", name):  # the layout change between two layer ranges
+        return ("backward of " if backward else "forward of ") + scope.group(0)
     layers = "while/body" in name
     parts = [p for p in name.split("/") if p]
     what = ""

@@ -95,7 +95,7 @@ def test_explain_shows_the_boundary_and_every_table(grouped, capsys, tmp_path):
     assert code == 0
     assert "boundary layers 0-0 (dp) -> layers 1-1 (megatron)" in out
     assert "forward: all-gather over tp 65,536 B" in out
-    assert "jvp(boundary 0-0>1-1)" in out  # the same collective, found in the step's HLO
+    assert "forward of boundary 0-0>1-1" in out  # the same collective, found in the step's HLO
     assert "table dp (layers 0-0)" in out and "table megatron (layers 1-1)" in out
     assert "devs 0,1,2,3,4,5,6,7" not in out.split("layers/1-1/mlp/gate (1, 64, 128)")[-1]  # split 8 ways
     assert "dev 7" in out
