@@ -9,7 +9,11 @@ Shared by `meshlm plan` (which checks its predictions against the compiler) and 
 Every device runs the same SPMD program, so the collectives in the text are what *each* device
 takes part in. A collective inside a `while` body (the scan over layers, gradient accumulation) runs
 once per iteration: its bytes are multiplied by the loop's `known_trip_count`, and nested loops
-multiply.
+multiply. XLA:TPU prints no `known_trip_count`: the count is then read from the loop itself (`i < n`
+in its condition, the start in the tuple it takes, the step in its body). XLA:TPU's asynchronous
+collective fusions hold a copy of their collective in each part (start, the compute fused with its
+continuation, done); only the start's is counted. An async `-start` returns (operands, results,
+u32[] contexts): its payload is read from the operand or result half as below.
 
 Bytes are *payload* bytes: the size of the buffer the collective is about, unsharded over its
 group — the gathered result of an all-gather, the input of a reduce-scatter or all-reduce, the
@@ -128,14 +132,117 @@ def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
+def _instructions(lines: list[str]) -> dict[str, tuple[str, str, str]]:
+    """name -> (shape, opcode, operands and attributes) of a computation's instructions."""
+    out = {}
+    for line in lines:
+        if m := _INSTR.match(line):
+            out[m.group(1)] = (m.group(2), m.group(3), m.group(4))
+    return out
+
+
+def _operands(rest: str) -> list[str]:
+    """Operand names of an instruction (the text inside its parentheses, shapes left out)."""
+    depth, end = 1, 0
+    for end, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _constant(instrs: dict, name: str, depth: int = 0) -> int | None:
+    """The integer a scalar instruction holds, through copies and bitcasts; None when it is computed."""
+    shape, op, rest = instrs.get(name, ("", "", ""))
+    if op == "constant":
+        m = re.match(r"\s*(-?\d+)\)", rest)
+        return int(m.group(1)) if m else None
+    if op in ("copy", "bitcast", "convert") and depth < 8 and (args := _operands(rest)):
+        return _constant(instrs, args[0], depth + 1)
+    return None
+
+
+def _tuple_index(instrs: dict, name: str) -> int | None:
+    """k when the instruction is get-tuple-element(parameter, index=k), through copies."""
+    shape, op, rest = instrs.get(name, ("", "", ""))
+    if op == "copy" and (args := _operands(rest)):
+        return _tuple_index(instrs, args[0])
+    m = re.search(r"index=(\d+)", rest)
+    return int(m.group(1)) if op == "get-tuple-element" and m else None
+
+
+def inferred_trip_count(comps: dict[str, list[str]], caller: dict, while_rest: str) -> int | None:
+    """Iterations of a `while` that carries no `known_trip_count` (XLA:TPU prints none): its condition
+    compares one tuple element with a constant (`i < n`), the body adds a constant to that element and
+    the caller starts it from a constant. None when the loop is not of that form."""
+    cond = re.search(r"condition=%?([\w.\-]+)", while_rest)
+    body = re.search(r"body=%?([\w.\-]+)", while_rest)
+    if not cond or not body or cond.group(1) not in comps or body.group(1) not in comps:
+        return None
+    c_instrs = _instructions(comps[cond.group(1)])
+    root = next((m.group(1) for line in comps[cond.group(1)] if line.lstrip().startswith("ROOT")
+                 and (m := _INSTR.match(line))), None)
+    if root is None or c_instrs[root][1] != "compare":
+        return None
+    direction = re.search(r"direction=(\w+)", c_instrs[root][2])
+    a, b = (_operands(c_instrs[root][2]) + [None, None])[:2]
+    if _constant(c_instrs, b) is not None and (k := _tuple_index(c_instrs, a)) is not None:
+        limit, d = _constant(c_instrs, b), direction.group(1) if direction else "LT"
+    elif _constant(c_instrs, a) is not None and (k := _tuple_index(c_instrs, b)) is not None:
+        limit = _constant(c_instrs, a)
+        d = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction.group(1) if direction else "", "NE")
+    else:
+        return None
+    # The start: element k of the tuple the while takes.
+    args = _operands(while_rest)
+    init = 0
+    if args and caller.get(args[0], ("", "", ""))[1] == "tuple":
+        elems = _operands(caller[args[0]][2])
+        if k < len(elems) and (v := _constant(caller, elems[k])) is not None:
+            init = v
+    # The step: element k of the body's root tuple, i + constant.
+    b_instrs = _instructions(comps[body.group(1)])
+    step = 1
+    broot = next((m for line in comps[body.group(1)]
+                  if line.lstrip().startswith("ROOT") and (m := _INSTR.match(line))), None)
+    if broot is not None and broot.group(3) == "tuple" and k < len(elems := _operands(broot.group(4))):
+        name = elems[k]
+        while b_instrs.get(name, ("", "", ""))[1] == "copy" and _operands(b_instrs[name][2]):
+            name = _operands(b_instrs[name][2])[0]
+        if b_instrs.get(name, ("", "", ""))[1] == "add":
+            step = next((v for x in _operands(b_instrs[name][2]) if (v := _constant(b_instrs, x)) is not None), 1)
+    if step == 0:
+        return None
+    span = {"LT": limit - init, "LE": limit - init + 1, "NE": limit - init,
+            "GT": init - limit, "GE": init - limit + 1}.get(d)
+    if span is None:
+        return None
+    return max(0, -(-span // abs(step)))
+
+
+def _continues_async(line: str, callee: str) -> bool:
+    """Whether this call runs a later part of an asynchronous collective fusion (XLA:TPU's
+    `async-collective-start` / `-done` fusions and the compute fused with its continuation): each
+    holds a copy of the collective, which runs once, at the start."""
+    m = _INSTR.match(line)
+    return callee.startswith("async_collective_fusion") or bool(m and m.group(1).startswith("async-collective-done"))
+
+
 def multipliers(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """How many times each computation runs per execution of the entry computation."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for name, lines in comps.items():
+        instrs = None
         for line in lines:
             trip = _TRIP.search(line)
+            n = int(trip.group(1)) if trip else None
+            if n is None and " while(" in line and (m := _INSTR.match(line)):
+                instrs = instrs if instrs is not None else _instructions(lines)
+                n = inferred_trip_count(comps, instrs, m.group(4))
             for role, callee in _CALLEE.findall(line):
-                factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+                factor = n if n is not None and role in ("body", "condition") else 1
+                if _continues_async(line, callee):
+                    continue
                 calls[name].append((callee, factor))
             for group in _BRANCHES.findall(line):
                 calls[name].extend((c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
@@ -175,9 +282,13 @@ def _read(m: re.Match, count: int) -> Collective:
     shape, op, rest = m.group(2), m.group(3), m.group(4)
     kind = op.removesuffix("-start")
     result = array_bytes(shape)
+    if op.endswith("-start") and shape.lstrip().startswith("(") and kind in ("all-gather", "collective-permute"):
+        # (operands..., results..., u32[] contexts...): XLA:TPU appends the contexts.
+        result = array_bytes(re.sub(r"u32\[\][^,)]*", "", shape))
+        ins, outs = result[:len(result) // 2], result[len(result) // 2:]
+        result = outs if kind == "all-gather" else ins
     if kind == "all-gather":
-        # all-gather-start returns (operands..., results...): the gathered half is the larger.
-        payload = sum(result[len(result) // 2:]) if op.endswith("-start") else sum(result)
+        payload = sum(result)
     else:  # reduce-scatter, all-reduce, all-to-all, collective-permute: what goes in
         operands = array_bytes(rest.split(")", 1)[0])
         payload = sum(operands) if operands else sum(result)

@@ -5,8 +5,8 @@ Everything here must run before JAX initialises its backends (before the first d
 it is small, imports JAX lazily and never starts it. `configure_runtime` is what the commands that
 compile (train, explain, generate, serve) call first:
 
-- `--devices=N`: N simulated CPU devices (`configure_devices`), run with XLA:CPU's default scheduler
-  (`SIMULATED_DEVICE_FLAGS`: the concurrency-optimised one can deadlock collectives between them);
+- `--devices=N`: N simulated CPU devices (`configure_devices`); a pipelined step on them compiles with
+  `pipeline_compiler_options` (XLA:CPU's default scheduler, which keeps collectives in one order);
 - XLA flag presets per backend (`xla_flag_preset`): GPU flags go to `XLA_FLAGS`, TPU flags to
   `LIBTPU_INIT_ARGS` (libtpu reads its compiler flags there). A variable the user set is left as it
   is, silently: their flags win whole, none of the preset is merged in. `MESHLM_XLA_PRESET=0` turns
@@ -92,21 +92,23 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.75
 
 # ------------------------------------------------------------------------------------ devices, dtypes
 
-# With several simulated CPU devices, XLA:CPU's concurrency-optimised scheduler lets a device run two
-# independent collectives over different device groups in another order than its peers (an fsdp
-# all-gather and a pipeline's collective-permute, pp=4 × fsdp=2): each then waits for the other and
-# the process aborts after 40 s (`Termination timeout for all gather`), most often on a loaded
-# machine. The default scheduler keeps one order on every device.
-SIMULATED_DEVICE_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+# A pipelined train step on simulated CPU devices compiles with XLA:CPU's default scheduler: the
+# concurrency-optimised one let two devices run an fsdp all-gather and a pipeline collective-permute
+# in opposite orders (pp=4 × fsdp=2), each then waiting for the other until XLA aborts the process
+# after 40 s (`Termination timeout for all gather`; 5 of 5 runs on a loaded machine, 0 of 6 with this).
+# Only there: the flat programs keep the scheduler the planner's CPU memory model was measured with.
+PIPELINE_CPU_COMPILER_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+
+
+def pipeline_compiler_options(platform: str) -> dict | None:
+    """The XLA options a pipelined train step compiles with on `platform` (None: the defaults)."""
+    return dict(PIPELINE_CPU_COMPILER_OPTIONS) if platform == "cpu" else None
 
 
 def simulated_device_flags(xla_flags: str, devices: int) -> str:
-    """`xla_flags` with `devices` simulated CPU devices and `SIMULATED_DEVICE_FLAGS` (a flag the user
-    gave a value keeps theirs)."""
+    """`xla_flags` asking for `devices` simulated CPU devices (replacing any earlier count)."""
     flags = [f for f in xla_flags.split() if "xla_force_host_platform_device_count" not in f]
-    named = {f.split("=")[0] for f in flags}
-    extra = [f for f in SIMULATED_DEVICE_FLAGS if devices > 1 and f.split("=")[0] not in named]
-    return " ".join(flags + extra + [f"--xla_force_host_platform_device_count={devices}"])
+    return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
 
 
 def configure_devices(devices: int | None) -> None:

@@ -2,9 +2,11 @@
 
 `meshlm.train.step.make_train_step` is lowered with `abstract_state` and a batch of
 ShapeDtypeStructs carrying their shardings, then compiled for the plan's mesh on simulated CPU
-devices (or, for a TPU target with libtpu installed, on that TPU topology). The compiled program
-gives per-device memory (`memory_analysis()`: argument + output - alias + temp bytes, the state,
-the batch and the peak of everything else) and its collectives (`meshlm.hlo`).
+devices, or for a TPU target on that TPU topology through libtpu (`pip install 'meshlm[tpu]'`; without
+it `--verify` says so). Collective bytes are compared with the prediction for the compiler that
+compiled (`meshlm.plan.comms.predict`'s backend). The compiled program gives per-device memory
+(`memory_analysis()`: argument + output - alias + temp bytes, the state, the batch and the peak of
+everything else) and its collectives (`meshlm.hlo`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 from meshlm import hlo
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
+from meshlm.plan import comms
+from meshlm.plan.hardware import backend_of
 from meshlm.plan.job import Job
 from meshlm.plan.schedule import schedule_of
 from meshlm.plan.search import Plan
@@ -42,9 +46,13 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
     import jax
 
     if hardware in _TPU_TOPOLOGY:
-        try:
-            import os
+        import importlib.util
+        import os
 
+        if importlib.util.find_spec("libtpu") is None:
+            raise UsageError(f"--verify with --hardware={hardware} compiles for the TPU topology through libtpu, "
+                             f"which is not installed: pip install 'meshlm[tpu]' (or verify with --hardware=cpu)")
+        try:
             from jax.experimental import topologies
 
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: share libtpu with other processes
@@ -54,7 +62,7 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
                 devices = topologies.get_topology_desc(topology_name=name, platform="tpu").devices
                 if len(devices) == n:
                     return list(devices), f"TPU topology {name}"
-        except Exception:  # noqa: BLE001 - no libtpu (the usual case): fall back to simulated CPUs
+        except Exception:  # noqa: BLE001 - a device count libtpu has no topology for: simulated CPUs
             pass
     cpus = jax.devices("cpu")  # with several processes: all of theirs
     if len(cpus) < n:
@@ -129,6 +137,9 @@ def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
         got = measure(compiled)
         got["compile_seconds"] = round(time.perf_counter() - t0, 2)
         predicted_coll = plan.collective_bytes["total"]
+        backend = "tpu" if where.startswith("TPU") else "cpu"
+        if plan.shape.pp == 1 and backend != backend_of(hardware):  # compiled elsewhere than planned
+            predicted_coll = comms.total_bytes(comms.predict(plan.job, plan.shape, backend))["total"]
         got["error_percent"] = {
             "peak_memory": error_percent(plan.memory.total, got["peak_memory_bytes"]),
             "collective_bytes": error_percent(predicted_coll, got["collective_bytes"]["total"]),

@@ -29,6 +29,19 @@ What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
   `full` and `save_qkv_attn`) and its forward ring (policies `full` and `save_dots`, which keep no
   attention output).
 
+The list above is XLA:CPU's program (and the model for GPUs, not checked against XLA:GPU). XLA:TPU
+(`backend='tpu'`, checked against libtpu's compiles by `bench/plan_tpu.py`, docs/plan.md) differs:
+
+- it casts the weights, the embedding table and the head to the compute dtype before it gathers
+  them (a bytes, not p), reduces the layer and embedding-table gradients in it (the head's stays p),
+  and gathers the output head once also when t > 1;
+- it adds the partial input gradients of q, k, v (and of gate, up) before one tp all-reduce of
+  [n, E] each, and sums norm-scale and table gradients over the batch axes and sp in one all-reduce;
+- from sequences of `TPU_REGATHER_FROM` tokens on (and always with the ring over sp) it gathers q's
+  and one kv projection's weights once more in the backward pass;
+- the ring's dk, dv accumulators go home in the compute dtype, and the recomputed forward ring
+  passes positions and segment ids again.
+
 A `reduce-scatter` here may appear in a CPU-compiled program as all-reduce + slice; its payload is
 the same, its wire time is not (see `wire_seconds`).
 
@@ -46,6 +59,10 @@ from meshlm.mesh import AXES, MeshShape
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 
+# XLA:TPU gathers q's and one of k/v's weights a third time in the backward pass from about this sequence
+# length (always with the ring over sp): seen at 1024 (tiny, 1b, llama2-7b) and at 512 (1b, not tiny),
+# never at 256. A scheduling choice of the compiler; one layer's q and k weights either way.
+TPU_REGATHER_FROM = 512
 RECOMPUTES_ATTN_OUT = ("full", "save_qkv_attn")
 RECOMPUTES_RING = ("full", "save_dots")
 
@@ -82,12 +99,16 @@ class Collectives(list):
             self.append(Collective(kind, axes, float(payload), count, op, what, overlappable))
 
 
-def predict(job: Job, shape: MeshShape) -> list[Collective]:
-    """Every collective of one step on a mesh without pipeline stages (groups of one device are left out)."""
+def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective]:
+    """Every collective of one step on a mesh without pipeline stages (groups of one device are left out).
+
+    `backend` is the compiler's ('cpu', 'gpu', 'tpu'; `Hardware.backend`): XLA:TPU's program differs in
+    the ways the module docstring lists; 'gpu' is predicted as 'cpu'."""
     loc = job.local(shape)
     sizes = shape.as_dict()
     cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
     a, p, n, E = job.act_bytes, job.param_bytes, loc.tokens, cfg.d_model
+    g, r = (a, a) if backend == "tpu" else (p, p)  # bytes per element of gathered weights, of reduced gradients
     F = ("fsdp", "sp")
     batch_axes = ("dp", "fsdp")
     out = Collectives(shape)
@@ -97,25 +118,28 @@ def predict(job: Job, shape: MeshShape) -> list[Collective]:
     layer_weights = {"attn.qkv": loc.w_qkv, "attn.out": loc.w_out, "mlp.in": loc.w_mlp_in, "mlp.down": loc.w_mlp_out}
     for op, w in layer_weights.items():
         if fsdp_on:
-            add("all-gather", F, w * p, 2 * L * A, op, "fsdp: gather weights (forward and backward)")
-            add("reduce-scatter", F, w * p, L * A, op, "fsdp: reduce-scatter weight gradients")
-            add("all-reduce", ("dp",), w * p / (sizes["fsdp"] * sizes["sp"]), L * A, op, "dp: all-reduce gradient shards")
+            add("all-gather", F, w * g, 2 * L * A, op, "fsdp: gather weights (forward and backward)")
+            add("reduce-scatter", F, w * r, L * A, op, "fsdp: reduce-scatter weight gradients")
+            add("all-reduce", ("dp",), w * r / (sizes["fsdp"] * sizes["sp"]), L * A, op, "dp: all-reduce gradient shards")
         else:
-            add("all-reduce", ("dp",), w * p, L * A, op, "dp: all-reduce weight gradients")
+            add("all-reduce", ("dp",), w * r, L * A, op, "dp: all-reduce weight gradients")
     # Norm scales: gathered like weights, gradients are sums over tokens.
     add("all-gather", F, 2 * E * p, 2 * L * A, "norms", "fsdp: gather norm scales")
     add("all-gather", F, E * p, 2, "norms", "fsdp: gather the final norm scale")
-    for axes in (batch_axes, ("sp",)):
+    # XLA:TPU sums over the batch axes and sp in one all-reduce, XLA:CPU in two.
+    token_axes = ((*batch_axes, "sp"),) if backend == "tpu" else (batch_axes, ("sp",))
+    for axes in token_axes:
         add("all-reduce", axes, (2 * L + 1) * E * p, A, "norms", "sum norm-scale gradients over tokens")
 
     # Embedding table and output head.
     table = loc.w_table * p
-    add("all-gather", F, table, 1, "embed", "fsdp: gather the embedding table for the lookup")
-    add("all-reduce", ("tp",), n * E * p, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
-    for axes in (batch_axes, ("sp",)):
-        add("all-reduce", axes, table, A, "embed", "sum embedding-table gradients over tokens")
+    add("all-gather", F, loc.w_table * g, 1, "embed", "fsdp: gather the embedding table for the lookup")
+    add("all-reduce", ("tp",), n * E * g, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
+    for axes in token_axes:
+        add("all-reduce", axes, loc.w_table * r, A, "embed", "sum embedding-table gradients over tokens")
     if not cfg.tie_embeddings:
-        add("all-gather", F, table, 2 if sizes["tp"] > 1 else 1, "lm_head", "fsdp: gather the output head")
+        add("all-gather", F, loc.w_table * g, 2 if sizes["tp"] > 1 and backend != "tpu" else 1, "lm_head",
+            "fsdp: gather the output head")
         if fsdp_on:
             add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
             add("all-reduce", ("dp",), table / (sizes["fsdp"] * sizes["sp"]), A, "lm_head", "dp: all-reduce gradient shards")
@@ -128,8 +152,14 @@ def predict(job: Job, shape: MeshShape) -> list[Collective]:
     recompute = 1 if cfg.remat in RECOMPUTES_ATTN_OUT else 0
     add("all-reduce", ("tp",), n * E * a, (1 + recompute) * L * A, "attn.out", "tp: sum partial outputs", False)
     add("all-reduce", ("tp",), n * E * a, L * A, "mlp.down", "tp: sum partial outputs", False)
-    add("all-reduce", ("tp",), 3 * n * E * a, L * A, "attn.qkv", "tp: sum input gradients of q, k, v", False)
-    add("all-reduce", ("tp",), 2 * n * E * a, L * A, "mlp.in", "tp: sum input gradients of gate, up", False)
+    if backend == "tpu" and fsdp_on and (sizes["sp"] > 1 or job.seq_len >= TPU_REGATHER_FROM):
+        add("all-gather", F, E * (loc.heads + loc.kv_heads) * cfg.head_dim * g, L * A, "attn.qkv",
+            "fsdp: gather q, k weights again for the attention kernel's backward")
+    summed = backend == "tpu"  # XLA:TPU adds the partial input gradients up before one all-reduce
+    add("all-reduce", ("tp",), (1 if summed else 3) * n * E * a, L * A, "attn.qkv",
+        "tp: sum input gradients of q, k, v", False)
+    add("all-reduce", ("tp",), (1 if summed else 2) * n * E * a, L * A, "mlp.in",
+        "tp: sum input gradients of gate, up", False)
 
     # RingAttention.
     s = sizes["sp"]
@@ -140,7 +170,14 @@ def predict(job: Job, shape: MeshShape) -> list[Collective]:
         add("collective-permute", ("sp",), 2 * ids, s * A, "attention", "ring: pass positions, segment ids (forward)")
         add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, s * L * A, "attention",
             "ring: pass k, v, ids and dk, dv accumulators (backward)")
-        add("collective-permute", ("sp",), 2 * kv32, L * A, "attention", "ring: send dk, dv home")
+        # XLA:TPU casts the accumulators to the compute dtype before their last hop, and the recomputed
+        # forward ring sends positions and segment ids again.
+        add("collective-permute", ("sp",), 2 * (kv if backend == "tpu" else kv32), L * A, "attention",
+            "ring: send dk, dv home")
+        if backend == "tpu":
+            add("collective-permute", ("sp",), 2 * ids, s * L * A * (rings - 1), "attention",
+                "ring: pass positions, segment ids (recomputed forward)")
+
     return list(out)
 
 

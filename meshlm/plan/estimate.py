@@ -2,7 +2,7 @@
 estimators (`memory`, `comms`, `cost`) and the pipelined one (`pipeline`) by the mesh's pp.
 
     pie = memory_pie(job, shape)
-    found = collectives(job, shape)
+    found = collectives(job, shape, hw.backend)
     ops = operators(job, shape, hw, found)
     time = step_time(job, shape, hw, ops, found, pie.params)
 """
@@ -20,9 +20,9 @@ def memory_pie(job: Job, shape: MeshShape) -> memory.MemoryPie:
     return pipeline.estimate(job, shape) if shape.pp > 1 else memory.estimate(job, shape)
 
 
-def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
-    """Every collective of one step, per device."""
-    return pipeline.collectives(job, shape) if shape.pp > 1 else comms.predict(job, shape)
+def collectives(job: Job, shape: MeshShape, backend: str = "cpu") -> list[comms.Collective]:
+    """Every collective of one step, per device, as `backend`'s compiler emits them (`Hardware.backend`)."""
+    return pipeline.collectives(job, shape) if shape.pp > 1 else comms.predict(job, shape, backend)
 
 
 def operators(job: Job, shape: MeshShape, hw: Hardware, found: list[comms.Collective]) -> list[cost.Operator]:

@@ -61,9 +61,20 @@ class Hardware:
         return self.peak_fp32 if str(dtype) in ("float32", "fp32", "f32") else self.peak_bf16
 
     @property
+    def backend(self) -> str:
+        """The XLA backend that compiles for this hardware (`backend_of`)."""
+        return backend_of(self.name)
+
+    @property
     def ridge_intensity(self) -> float:
         """Hardware arithmetic intensity of the fast link: peak bf16 FLOP/s per byte/s (MaxText's ratio)."""
         return self.peak_bf16 / self.fast_bandwidth
+
+
+def backend_of(name: str) -> str:
+    """'tpu', 'gpu' or 'cpu': the XLA backend that compiles for the hardware of this catalog name; its
+    compiler decides some collectives (`meshlm.plan.comms.predict`)."""
+    return "tpu" if name.startswith("tpu") else "cpu" if name == "cpu" else "gpu"
 
 
 def _peaks(device_kind: str) -> tuple[float, float]:

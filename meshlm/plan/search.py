@@ -55,7 +55,7 @@ class Plan:
 def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """All predictions for one mesh (assumed valid for the job: see `Job.problem`)."""
     pie = estimate.memory_pie(job, shape)
-    collectives = estimate.collectives(job, shape)
+    collectives = estimate.collectives(job, shape, hw.backend)
     ops = estimate.operators(job, shape, hw, collectives)
     time = estimate.step_time(job, shape, hw, ops, collectives, pie.params)
     fits = pie.total <= hw.hbm_bytes * (1 - HEADROOM)
@@ -73,15 +73,20 @@ def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
 def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """The plan for this mesh: with `--remat=auto`, the fastest policy that fits at the fewest
     gradient-accumulation micro-batches that make one fit (`meshlm.plan.remat`); the smallest if none does."""
-    smallest = None
+    if job.cfg.remat != "auto":
+        return evaluate(job, shape, hw)
+    budget = hw.hbm_bytes * (1 - HEADROOM)
+    smallest, smallest_bytes = None, math.inf
     for trials in remat.variants(job, shape):
-        plans = [evaluate(trial, shape, hw) for trial in trials]
-        fitting = [p for p in plans if p.fits]
+        # Memory first (cheap); the step-time model only for the policies that fit.
+        peaks = [estimate.memory_pie(trial, shape).total for trial in trials]
+        fitting = [evaluate(trial, shape, hw) for trial, peak in zip(trials, peaks) if peak <= budget]
         if fitting:
             return min(fitting, key=lambda p: p.time.step_s)
-        least = min(plans, key=lambda p: p.memory.total)
-        smallest = least if smallest is None or least.memory.total < smallest.memory.total else smallest
-    return smallest
+        least = min(range(len(trials)), key=peaks.__getitem__)
+        if peaks[least] < smallest_bytes:
+            smallest, smallest_bytes = trials[least], peaks[least]
+    return evaluate(smallest, shape, hw)
 
 
 def label(shape: MeshShape) -> str:

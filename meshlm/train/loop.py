@@ -20,6 +20,7 @@ from typing import Any
 from meshlm.config import TrainConfig
 from meshlm.errors import UsageError
 from meshlm.flops import model_flops_per_token
+from meshlm.platform import pipeline_compiler_options
 
 
 class StopRequest:
@@ -57,16 +58,15 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
 
 
 def _latest_step(directory: Path) -> int | None:
-    """The newest complete checkpoint's step in `directory`, or None (nothing is created or left running)."""
+    """The newest complete checkpoint's step in `directory`, or None. Read from the folder names (a
+    checkpoint being written has a temporary name until it is complete), not through Orbax: opening a
+    CheckpointManager is a barrier across processes, and whether the folder exists yet differs between
+    processes here (the first to open the run's own manager creates it), so a probe would pair one
+    process's barrier with another's and hang both."""
     if not directory.is_dir():
         return None
-    from meshlm.checkpoint.manager import Checkpointer
-
-    probe = Checkpointer(directory, async_save=False)
-    try:
-        return probe.latest_step()
-    finally:
-        probe.close()
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
+    return max(steps, default=None)
 
 
 def _train(cfg: TrainConfig, console) -> dict[str, Any]:
@@ -183,7 +183,9 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     else:
         state = create_train_state(placement, optimizer, cfg.seed, lora)
     first_step = int(state.step) + 1
-    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline, lora)
+    # A pipelined step on simulated CPU devices keeps its collectives in one order (meshlm.platform).
+    options = pipeline_compiler_options(placement.mesh.devices.flat[0].platform) if pipeline is not None else None
+    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline, lora, options)
     perm = sequence_permutation(placement, cfg.seq_len)
     evaluator = Evaluator(placement, eval_batches, perm) if eval_batches is not None else None
     eval_due = eval_steps(cfg.eval_every, cfg.steps)

@@ -137,11 +137,13 @@ def make_train_step(
     grad_accum: int = 1,
     pipeline: Schedule | None = None,
     lora=None,
+    compiler_options: dict | None = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """`step(state, batch) -> (state, metrics)`; the state's buffers are donated (updated in place).
 
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
-    (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train."""
+    (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train.
+    `compiler_options`: XLA options for this program (`meshlm.platform.pipeline_compiler_options`)."""
     mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
 
     def step(state: TrainState, batch: dict):
@@ -162,6 +164,7 @@ def make_train_step(
         in_shardings=(shardings, batch_shardings),
         out_shardings=(shardings, sharding.replicated(placement.mesh)),
         donate_argnums=0,
+        compiler_options=compiler_options,
     )
 
 
