@@ -134,13 +134,20 @@ def template_beside(tokenizer_path: str | Path | None) -> str | None:
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text()
     try:
-        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+        template = template_in_config(json.loads((folder / "tokenizer_config.json").read_text()))
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+    return template or None
+
+
+def template_in_config(config: dict) -> str | None:
+    """A tokenizer_config.json's `chat_template`: the string, or the `default` entry (else the first)
+    when it lists several as [{"name": ..., "template": ...}, ...]; None when there is none."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) and template else None
+    return template if isinstance(template, str) else None
 
 
 def resolve_chat_template(spec: str | None, tokenizer) -> tuple[ChatTemplate, str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshlm.data.chat_template import template_in_config
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
 
@@ -42,11 +43,7 @@ def read_chat_template(files: dict[str, Path]) -> str | None:
     config = files.get("tokenizer_config.json")
     if config is None:
         return None
-    template = json.loads(config.read_text()).get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    return template_in_config(json.loads(config.read_text()))
 
 
 def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str = "auto",

@@ -3,7 +3,7 @@
     console = run_console(quiet=jax.process_index() != 0)   # never wraps lines in a log file
     with TrainProgress(n, console=console) as bar:
         ...  print_metrics_line(m, console); bar.update(step, m)
-    plural(8, "device") == "8 devices";  count_params(5.51e6) == "5.51M"
+    plural(8, "device") == "8 devices"   (parameter counts: meshlm.models.configs.count_params)
 """
 
 from __future__ import annotations
@@ -34,14 +34,6 @@ def _get_console():
 def plural(n: int, word: str, many: str | None = None) -> str:
     """`1 device`, `8 devices`, `1 process`, `2 processes` (the count with the right form of the word)."""
     return f"{n} {word if n == 1 else many or (word + ('es' if word.endswith(('s', 'x', 'sh', 'ch')) else 's'))}"
-
-
-def count_params(n: float) -> str:
-    """A parameter count as people read it: 5.51M, 1.24B, 820K, 640."""
-    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:.0f}"
 
 
 def format_metrics(m: dict) -> str:
@@ -115,4 +107,4 @@ class TrainProgress:
             self._progress = None
 
 
-__all__ = ["run_console", "plural", "count_params", "format_metrics", "format_eval", "print_metrics_line", "TrainProgress"]
+__all__ = ["run_console", "plural", "format_metrics", "format_eval", "print_metrics_line", "TrainProgress"]

@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from meshlm.config import TrainConfig
-from meshlm.train.console import count_params, plural, run_console
+from meshlm.models.configs import count_params
+from meshlm.train.console import plural, run_console
 from meshlm.train.loop import train
 from meshlm.train.report import schedule_change, summary_lines
 
