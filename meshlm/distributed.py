@@ -42,6 +42,9 @@ CLUSTER_HINTS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
 DEFAULT_PEER_TIMEOUT = 20.0
 _HEARTBEAT_EVERY = 1.0
 _KEY = "meshlm/heartbeat/"
+_STOPPED = "stopped:"  # a heartbeat value: this process left on a usage error (the message follows)
+_USAGE_GRACE = 30.0  # process 0 keeps the coordinator up this long for the others to leave on their own
+_leaving = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,10 @@ class Watchdog(threading.Thread):
             beat = stored.get(f"{_KEY}{k}")
             if k == self.pid or beat == "done":
                 continue
+            if beat is not None and beat.startswith(_STOPPED):
+                leave_on_usage_error(self.pid, f"process {k} stopped: {beat[len(_STOPPED):]}", self._exit, client,
+                                     self.n, clock=self._clock)
+                return now
             last = seen.get(k)
             if last is None or last[0] != beat:
                 seen[k] = (beat, now)
@@ -312,13 +319,45 @@ def run_here(cluster: Cluster, work: Callable[[bool], Any], local_devices: int |
 
     try:
         result = work(jax.process_index() == 0)
-    except UsageError as e:  # the others would wait for this one: leave now, status 2
-        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
+    except UsageError as e:  # the others would wait for this one: all leave now, status 2
+        leave_on_usage_error(jax.process_index(), str(e))
     except Exception as e:  # noqa: BLE001  (usually a collective failing because a peer died)
         fail_fast(e)
     finish()
     return result
+
+
+def leave_on_usage_error(pid: int, message: str, exit=os._exit, client=None, n: int | None = None,
+                         grace: float = _USAGE_GRACE, clock=time.monotonic) -> None:
+    """A usage error in one of `n` processes: one line, the others told through the coordinator's
+    store (their watchdogs stop them with status 2 and the same message), then status 2. Process 0
+    hosts the coordinator, so it leaves last: once every other process has left, or after `grace` s
+    (a peer gone without a word). Leaving at once would cut the coordinator from under a peer still
+    on its way, which the runtime then ends with a page of log instead of this line."""
+    if not _leaving.acquire(blocking=False):  # the other thread of this process is already leaving
+        threading.Event().wait()
+    try:
+        print(f"error: process {pid}: {message}", file=sys.stderr, flush=True)
+        watchdog = _state.get("watchdog")
+        if watchdog is not None:
+            watchdog._stop_event.set()
+            n = n or watchdog.n
+        try:
+            client = client or _client()
+            client.key_value_set(f"{_KEY}{pid}", _STOPPED + (message.splitlines() or [""])[0][:500],
+                                 allow_overwrite=True)
+            deadline = clock() + grace
+            while pid == 0 and clock() < deadline:
+                stored = dict(client.key_value_dir_get(_KEY))
+                if all(str(stored.get(f"{_KEY}{k}", "")).startswith((_STOPPED, "done")) for k in range(1, n or 1)):
+                    break
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001  (no coordinator to tell: the others learn it from their watchdogs)
+            pass
+        sys.stdout.flush()
+        exit(2)
+    finally:
+        _leaving.release()  # reached only where `exit` returns (tests)
 
 
 def fail_fast(error: BaseException) -> None:

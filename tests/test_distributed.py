@@ -139,6 +139,36 @@ def test_watchdog_names_the_silent_process():
     assert exits == [1]
 
 
+def test_a_usage_error_stops_every_process_with_its_line(capsys):
+    """Process 1's watchdog reads process 0's usage error from the store and leaves with status 2 and
+    that message; process 0 keeps the coordinator up until the others have left (or its grace ends)."""
+
+    class Store(dict):
+        def key_value_set(self, k, v, allow_overwrite=False):
+            self[k] = v
+
+        def key_value_dir_get(self, prefix):
+            return [(k, v) for k, v in self.items() if k.startswith(prefix)]
+
+    store, exits, now = Store(), [], [0.0]
+    store["meshlm/heartbeat/0"] = "stopped:--dcn_mesh_dim=4,1,1,1: the axes multiply to 4 but there are 2 hosts"
+    dog = distributed.Watchdog(1, 2, timeout=5, coordinator="h:1", exit=exits.append, clock=lambda: now[0])
+    dog.check(store, {k: (None, 0.0) for k in range(2)}, 0.0)
+    assert exits == [2]
+    assert store["meshlm/heartbeat/1"].startswith("stopped:process 0 stopped: --dcn_mesh_dim=4,1,1,1")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: process 1: process 0 stopped: --dcn_mesh_dim=4,1,1,1: the axes multiply to 4 but there "
+                   "are 2 hosts"], err
+
+    ticks = iter(range(100))
+    distributed.leave_on_usage_error(0, "bad flag", exits.append, store, 2, grace=50, clock=lambda: next(ticks))
+    assert exits == [2, 2] and next(ticks) < 5  # process 1 had left: no wait
+    del store["meshlm/heartbeat/1"]
+    ticks = iter(range(100))
+    distributed.leave_on_usage_error(0, "bad flag", exits.append, store, 2, grace=5, clock=lambda: next(ticks))
+    assert exits == [2, 2, 2] and next(ticks) >= 6  # a silent peer: waited out the grace, then left
+
+
 # ------------------------------------------------------------------------------ real processes
 
 

@@ -12,6 +12,8 @@ into its shards on the current mesh, never gathered whole on one device.
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,24 @@ def _closed_loop_callback(unraisable) -> bool:
     return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
 
 
+# TensorStore's errors carry an absl status code first: "OUT_OF_RANGE: Error reading ...".
+_STORE_ERROR = re.compile(r"^(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|INTERNAL|UNKNOWN|"
+                          r"ABORTED|CANCELLED|UNAVAILABLE|RESOURCE_EXHAUSTED|PERMISSION_DENIED): ")
+
+
+class _UnretrievedReadErrors(logging.Filter):
+    """Drops asyncio's "Task/Future exception was never retrieved" for a failed TensorStore read: when
+    one read of a truncated checkpoint fails, Orbax stops awaiting the others, and each of their
+    errors is logged with a traceback whenever its task is garbage-collected."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "exception was never retrieved" not in message or not record.exc_info:
+            return True
+        error = record.exc_info[1]
+        return not (isinstance(error, (ValueError, RuntimeError, OSError)) and _STORE_ERROR.match(str(error)))
+
+
 _quiet_closed_loops = False
 
 
@@ -131,10 +151,11 @@ _quiet_closed_loops = False
 def reads_that_may_fail():
     """Around an Orbax read of a checkpoint that may be truncated. When one array's read fails, Orbax
     raises and closes its event loop while TensorStore still finishes the other reads; each of those
-    then reports `RuntimeError: Event loop is closed` through `sys.unraisablehook` (a traceback apiece,
-    around the one-line error), possibly before the failure reaches us. From the first such read on,
-    those reports (and only those: late callbacks into a loop that is gone) are dropped for the rest of
-    the process; every other unraisable exception reaches the hook that was there before."""
+    then reports `RuntimeError: Event loop is closed` through `sys.unraisablehook`, and each read error
+    left unawaited is logged by asyncio when its task is collected (a traceback apiece, around the
+    one-line error), possibly before the failure reaches us. From the first such read on, those
+    reports (and only those: late callbacks into a loop that is gone, unretrieved TensorStore errors)
+    are dropped for the rest of the process; every other one still reaches its hook or log."""
     global _quiet_closed_loops
     if not _quiet_closed_loops:
         _quiet_closed_loops = True
@@ -145,6 +166,7 @@ def reads_that_may_fail():
                 previous(unraisable)
 
         sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_UnretrievedReadErrors())
     yield
 
 

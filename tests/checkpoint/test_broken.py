@@ -126,6 +126,49 @@ def test_checkpoint_reads_silence_only_closed_event_loop_reports(monkeypatch):
     assert seen == [other]
 
 
+def test_checkpoint_reads_silence_only_unretrieved_store_errors(monkeypatch):
+    """A failed read leaves TensorStore errors in tasks nobody awaits; asyncio's report of each, when the
+    task is collected, is dropped once checkpoints are read. Any other unretrieved exception is logged."""
+    import asyncio
+    import gc
+    import logging
+
+    from meshlm.checkpoint import manager
+
+    monkeypatch.setattr(manager, "_quiet_closed_loops", False)
+    asyncio_logger = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_logger, "filters", list(asyncio_logger.filters))
+    logged = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.exc_info[1] if record.exc_info else record.getMessage())
+
+    handler = Keep()
+    asyncio_logger.addHandler(handler)
+    try:
+        with manager.reads_that_may_fail():
+            pass
+
+        async def fail(error):
+            raise error
+
+        def abandon(error):
+            loop = asyncio.new_event_loop()
+            task = loop.create_task(fail(error))
+            loop.run_until_complete(asyncio.sleep(0))
+            loop.close()
+            del task
+            gc.collect()
+
+        abandon(ValueError('OUT_OF_RANGE: Error reading "opt_state.1.0.count/.zarray"'))
+        other = ValueError("a bug")
+        abandon(other)
+    finally:
+        asyncio_logger.removeHandler(handler)
+    assert logged == [other], logged
+
+
 def test_other_model_is_found_before_the_tokenizer(run, monkeypatch):
     """A whole different model: named by the flags it was trained with, before any data work."""
     from meshlm import data
