@@ -75,7 +75,7 @@ def prepare(engine: Any, prompt_ids: list[int], body: Any, *, max_tokens: int | 
     try:
         sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
         request = GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                                    stop=body.stop + extra_stop)
+                                    stop=body.stop + extra_stop, ignore_eos=body.ignore_eos)
         engine.check(request)
     except ValueError as e:  # what the checks above could not know, as the engine words it
         raise APIError(400, str(e), param=param, code="invalid_value") from e

@@ -98,6 +98,7 @@ class GenerationBody(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=0, lt=2**31), _or(0)] = 0  # the engine holds it as int32
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop_strings)] = ()
+    ignore_eos: Annotated[StrictBool, _or(False)] = False  # an extension: run to max_tokens past end-of-text
     n: Annotated[StrictInt, _or(1)] = 1
     stream: Annotated[StrictBool, _or(False)] = False
     stream_options: StreamOptions | None = None

@@ -297,6 +297,22 @@ def test_huge_chunked_body_is_413(http):
 # Clients that hang up
 
 
+def test_ignore_eos_runs_past_the_end_of_text_token(http, engine, handles, monkeypatch):
+    """The `ignore_eos` extension: with the greedy first token made the end-of-text token, a request stops
+    at once without it and runs to max_tokens with it."""
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.0}
+    first = http.post("/v1/completions", json={**body, "max_tokens": 1, "ignore_eos": True})
+    assert first.status_code == 200, first.text
+    monkeypatch.setattr(engine, "eos_id", handles[-1]._ids[0])  # the greedy first token
+    stopped = http.post("/v1/completions", json=body).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 0, stopped
+    kept = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+    assert kept["choices"][0]["finish_reason"] == "length" and kept["usage"]["completion_tokens"] == 6, kept
+    assert [h.request.ignore_eos for h in handles] == [True, False, True]
+    bad = http.post("/v1/completions", json={**body, "ignore_eos": "yes"})
+    assert bad.status_code == 400 and "ignore_eos" in bad.text, bad.text
+
+
 def _long_request(engine) -> dict:
     return {"prompt": "Go on and on", "max_tokens": engine.max_seq_len - 16, "temperature": 0.0}
 
@@ -353,7 +369,8 @@ def test_shutdown_ends_open_replies_with_503(engine, handles, serve_app):
                     first_event.set()
 
     def post(url):
-        whole.append(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 200}, timeout=60))
+        whole.append(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 200, "ignore_eos": True},
+                                timeout=60))
 
     with serve_app(create_app(engine), grace_s=grace_s) as url:
         clients = [threading.Thread(target=client, args=(url,)) for client in (stream, post)]
