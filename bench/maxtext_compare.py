@@ -135,6 +135,15 @@ def run_meshlm(run: str) -> list[float]:
     return [times[s - 1] for s in TIMED]
 
 
+def _versions(python, meshlm: bool = False) -> str:
+    """Python and JAX versions of an interpreter, and the compute dtype each framework's default gives here."""
+    probe = ("import sys, jax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}', end='')"
+             + ("; from meshlm.platform import resolve_dtype; print(', dtype auto =', resolve_dtype('auto', 'cpu'), end='')"
+                if meshlm else "; print(', dtype bfloat16 (its default)', end='')"))
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, env={**_env(1), "PYTHONPATH": str(ROOT)})
+    return out.stdout.strip() or out.stderr.strip()[-200:]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default="1dev,1,8,1,1,2,2,2,1", help="which runs (names above, comma separated)")
@@ -143,6 +152,8 @@ def main() -> int:
     args = ap.parse_args()
     wanted = [r for r in RUNS if r in args.runs]
     python = ensure_maxtext()
+    if not args.json:
+        print(f"meshlm: {_versions(sys.executable, meshlm=True)}\nMaxText: {_versions(python)}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in wanted:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from meshlm.errors import UsageError
 
-# Compute dtypes a flag may name; `auto` is float32 on CPU, bfloat16 on accelerators (meshlm.platform).
+# Compute dtypes a flag may name; `auto` is bfloat16 where matmuls are fast in it, else float32 (meshlm.platform).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
 # Chat fine-tuning data (meshlm.data.chat) and metric trackers (meshlm.train.tracking).
@@ -122,7 +122,7 @@ class BatchConfig:
 class PrecisionConfig:
     """Number formats and rematerialisation."""
 
-    dtype: str = _flag("auto", "compute dtype: auto (float32 on CPU, where it is fastest; bfloat16 on GPU/TPU), float32, bfloat16")
+    dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on GPU/TPU and on CPUs with bf16 matmul instructions, float32 on other CPUs), float32, bfloat16")
     param_dtype: str = _flag("float32", "parameter and optimizer-state dtype: float32 (bfloat16 is refused for training: it would keep no float32 master copy; use --dtype=bfloat16 for bf16 compute)")
     remat: str = _flag("auto", "rematerialisation policy, what each layer keeps for the backward: auto (the least "
                        "recomputation whose predicted peak fits the device: none on CPU; in meshlm plan the fastest "

@@ -213,7 +213,7 @@ def resolve_serving(model: ModelConfig, *, mesh_dim: str, dtype: str = "auto", m
         raise UsageError(f"--mesh_dim={mesh_dim}: serving runs without pipeline stages; drop pp")
     context = max_seq_len or min(model.max_seq_len, SERVING_CONTEXT)
     check_serving_mesh(shape, model, max_batch, context)
-    compute = resolve_dtype(dtype)
+    compute = resolve_dtype(dtype, serving=True)
     model = model.replace(dtype=compute, param_dtype=compute, remat="none")
     job = Job(model, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
     return _build(job) if build else job

@@ -119,13 +119,34 @@ def configure_devices(devices: int | None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def default_dtype(backend: str) -> str:
-    """The compute dtype `auto` stands for: float32 on CPU (no fast bf16 matmuls there), bfloat16 on
-    GPU and TPU."""
-    return "float32" if backend == "cpu" else "bfloat16"
+_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 or AMX; Arm's BF16 extension
 
 
-def resolve_dtype(dtype: str, backend: str | None = None) -> str:
+def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bfloat16 matmul instructions (from /proc/cpuinfo's flags). XLA:CPU's bf16
+    dots use them and then beat float32's; without them bf16 is emulated and slower."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features") and _BF16_CPU_FLAGS & set(value.split()):
+            return True
+    return False
+
+
+def default_dtype(backend: str, serving: bool = False) -> str:
+    """The compute dtype `auto` stands for: bfloat16 on GPU and TPU, and for training on a CPU with
+    bf16 matmul instructions (parameters and optimizer state stay float32); float32 on other CPUs,
+    and for serving on any CPU (its weights are held in the compute dtype)."""
+    if backend != "cpu":
+        return "bfloat16"
+    return "bfloat16" if not serving and cpu_multiplies_bf16() else "float32"
+
+
+def resolve_dtype(dtype: str, backend: str | None = None, serving: bool = False) -> str:
     """`dtype` with `auto` replaced for `backend` (default: the backend JAX runs on here)."""
     if dtype != "auto":
         return dtype
@@ -133,7 +154,7 @@ def resolve_dtype(dtype: str, backend: str | None = None) -> str:
         import jax
 
         backend = jax.default_backend()
-    return default_dtype(backend)
+    return default_dtype(backend, serving)
 
 
 # ------------------------------------------------------------------------------------ which backend

@@ -201,3 +201,21 @@ def test_pipelined_steps_on_cpu_compile_with_the_default_scheduler():
     all-gather and a collective-permute in opposite orders); other backends keep their defaults."""
     assert P.pipeline_compiler_options("cpu") == {"xla_cpu_enable_concurrency_optimized_scheduler": False}
     assert P.pipeline_compiler_options("gpu") is None and P.pipeline_compiler_options("tpu") is None
+
+
+@pytest.mark.parametrize("flags, fast", [
+    ("fpu sse2 avx512f avx512_bf16 amx_tile", True),  # x86 with AVX512-BF16 (and AMX)
+    ("fpu sse2 avx2 fma", False),  # x86 without: bf16 would be emulated
+])
+def test_auto_dtype_is_bf16_where_cpu_matmuls_are_fast(monkeypatch, flags, fast):
+    """`auto`: bfloat16 on accelerators; on CPU for training only where the CPU has bf16 matmul
+    instructions (Arm lists them under Features); serving on CPU keeps float32 weights."""
+    from meshlm import platform
+
+    assert platform.cpu_multiplies_bf16(f"processor\t: 0\nflags\t\t: {flags}\n") is fast
+    assert platform.cpu_multiplies_bf16("Features\t: fp asimd bf16 i8mm\n") is True
+    monkeypatch.setattr(platform, "cpu_multiplies_bf16", lambda cpuinfo=None: fast)
+    assert platform.resolve_dtype("auto", "cpu") == ("bfloat16" if fast else "float32")
+    assert platform.resolve_dtype("auto", "cpu", serving=True) == "float32"
+    assert platform.resolve_dtype("auto", "gpu") == platform.resolve_dtype("auto", "tpu", serving=True) == "bfloat16"
+    assert platform.resolve_dtype("float32", "gpu") == "float32"

@@ -17,6 +17,7 @@ Nothing is trained; the step is compiled with abstract inputs, nothing allocated
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,9 +120,26 @@ def collectives(text: str, placement: Placement) -> list[CollectiveRow]:
     rows = []
     for c in hlo.on_mesh(text, placement.mesh):
         params = sorted({p for s in c.result_shapes for p in by_shape.get(s, [])})
-        where = c.op_name or ("parameter " + " | ".join(params) if params else "")
+        where = _boundary_name(c.op_name, [g.key for g in placement.groups]) or (
+            "parameter " + " | ".join(params) if params else "")
         rows.append(CollectiveRow(c.kind, c.axes, c.payload_bytes, c.count, where))
     return rows
+
+
+_LOOP_EDGE = re.compile(r"(transpose\()?jvp\(layers (\d+-\d+)\)\)?/while")
+
+
+def _boundary_name(op_name: str, group_keys: list[str]) -> str:
+    """`op_name`, except a collective on the edge of a layer range's loop that another range follows:
+    the residual stream's layout change at their boundary. JAX 0.10 names it by the boundary's own
+    scope (`jvp(boundary 0-0>1-1)/sharding_constraint`); JAX 0.12 folds the constraint into the loop
+    and names the loop (`jvp(layers 0-0)/while`, in the backward `transpose(jvp(layers 0-0))/while`)."""
+    m = _LOOP_EDGE.fullmatch(op_name or "")
+    if not m or m[2] not in group_keys[:-1]:
+        return op_name
+    after = group_keys[group_keys.index(m[2]) + 1]
+    scope = f"jvp(boundary {m[2]}>{after})/sharding_constraint"
+    return f"transpose({scope})" if m[1] else scope
 
 
 # --------------------------------------------------------------------------------------- boundaries

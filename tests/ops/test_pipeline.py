@@ -85,9 +85,15 @@ def test_loss_and_gradients_equal_the_stages_in_order(name, pp, M, V):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     got_layers = from_ranks(g_staged, pp, V)
     for key in ("a", "b"):
-        np.testing.assert_allclose(got_layers[key], g_layers[key], rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got_head["w"], g_head["w"], rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got_scale, jnp.sum(x * g_x, axis=(0, 1, 2)), rtol=1e-4, atol=1e-6)
+        close(got_layers[key], g_layers[key])
+    close(got_head["w"], g_head["w"])
+    close(got_scale, jnp.sum(x * g_x, axis=(0, 1, 2)))
+
+
+def close(got, want):
+    """rtol 1e-4, and atol against the tensor's scale: JAX 0.12's XLA:CPU sums in another order (8e-6 off
+    on entries near 0.004 of a tensor reaching 1.8, for the interleaved schedule)."""
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(np.asarray(want)).max()))
 
 
 @pytest.mark.parametrize("name, V", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])

@@ -107,7 +107,9 @@ def hf_folder_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
 
 
 def meshlm_logits(placement, params, tokens: np.ndarray) -> np.ndarray:
-    fn = jax.jit(lambda p, t: placement.apply(p, t))
+    # Replicated logits: left to the compiler, JAX 0.12 may pick a layout it cannot name on the mesh.
+    fn = jax.jit(lambda p, t: placement.apply(p, t),
+                 out_shardings=jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec()))
     return np.asarray(fn(params, jax.numpy.asarray(tokens, jax.numpy.int32)))
 
 
