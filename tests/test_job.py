@@ -70,7 +70,9 @@ def test_resolve_builds_what_train_needs():
 
     job = resolve(TrainConfig(model="test", mesh_dim="2,2,2,1", batch_size=8, seq_len=32))
     assert (job.shape.dp, job.shape.fsdp, job.shape.tp, job.shape.sp) == (2, 2, 2, 1)
-    assert job.model.dtype == "float32" and job.pipeline is None and job.strategy.name == "default"
+    from meshlm.platform import resolve_dtype
+
+    assert job.model.dtype == resolve_dtype("auto", "cpu") and job.pipeline is None and job.strategy.name == "default"
     assert dict(job.mesh.shape) == {"dp": 2, "fsdp": 2, "tp": 2, "sp": 1}
     assert job.placement.cfg == job.model
 

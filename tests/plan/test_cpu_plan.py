@@ -42,7 +42,9 @@ def test_cpu_peak_is_trains_mfu_peak(capsys, fixed_probe):
     assert main(JOB) == 0
     doc = json.loads(capsys.readouterr().out)
     plan_calls = list(fixed_probe)
-    train_peak, _ = resolve_peak(None, "float32")
+    from meshlm.platform import resolve_dtype
+
+    train_peak, _ = resolve_peak(None, resolve_dtype("auto", "cpu"))  # the dtype both take by default
     assert plan_calls[-1] == fixed_probe[-1]  # the same dtype, matrix size and duration
     assert doc["hardware"]["peak_flops_per_second"] == train_peak == 80e9 / jax.local_device_count()
     assert "as meshlm train measures" in doc["hardware"]["peak_source"]
@@ -58,7 +60,9 @@ def test_peak_tflops_pins_plan_and_train(capsys, fixed_probe):
 def test_table_says_which_peak(capsys, fixed_probe):
     assert main(JOB[:-1]) == 0
     out = capsys.readouterr().out
-    assert "MFU peak: 0.01 TFLOP/s per device (measured float32 1024^2 matmul" in out
+    from meshlm.platform import resolve_dtype
+
+    assert f"MFU peak: 0.01 TFLOP/s per device (measured {resolve_dtype('auto', 'cpu')} 1024^2 matmul" in out
 
 
 def test_chart_shows_the_bars_and_keeps_legends_off_them(fixed_probe, tmp_path):
