@@ -215,11 +215,20 @@ class StepTime:
     mfu: float
 
 
-def elementwise_bytes(job: Job, shape: MeshShape) -> float:
-    """Bytes the non-matmul work of a step without pipeline stages streams per device: each saved
-    activation about three times (forward, backward, recompute)."""
+# How often each byte an activation saved for the backward is streamed: written in the forward and read
+# in the backward; on XLA:CPU also zero-filled and copied once more (the layer loop's stacked outputs
+# start as broadcast zeros, and the compiled program copies them before the backward reads them).
+RESIDUAL_PASSES = {"cpu": 4, "gpu": 2, "tpu": 2}
+
+
+def elementwise_bytes(job: Job, shape: MeshShape, backend: str = "gpu") -> float:
+    """Bytes the non-matmul work of a step without pipeline stages streams per device: each activation
+    about three times (forward, backward, recompute), and the activations the remat policy saves for
+    the backward `RESIDUAL_PASSES` times more (so keeping more is not free)."""
     loc = job.local(shape)
-    return 3 * job.cfg.n_layers * job.grad_accum * loc.tokens * saved_per_token_layer(loc, "none") * job.act_bytes
+    per_token = 3 * saved_per_token_layer(loc, "none") + RESIDUAL_PASSES.get(backend, 2) * saved_per_token_layer(
+        loc, job.cfg.remat)
+    return job.cfg.n_layers * job.grad_accum * loc.tokens * per_token * job.act_bytes
 
 
 def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[Operator],

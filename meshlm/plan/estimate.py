@@ -34,5 +34,5 @@ def operators(job: Job, shape: MeshShape, hw: Hardware, found: list[comms.Collec
 def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[cost.Operator], found: list[comms.Collective],
               params_bytes: int) -> cost.StepTime:
     """The predicted step: compute, HBM-bound work and the communication not hidden behind them."""
-    elementwise = pipeline.elementwise_bytes(job, shape) if shape.pp > 1 else cost.elementwise_bytes(job, shape)
+    elementwise = pipeline.elementwise_bytes(job, shape) if shape.pp > 1 else cost.elementwise_bytes(job, shape, hw.backend)
     return cost.step_time(job, shape, hw, ops, found, params_bytes, elementwise)

@@ -125,7 +125,7 @@ CATALOG: dict[str, Hardware] = {
 NAMES = (*CATALOG, "cpu")
 
 
-def _host_memory_bytes() -> float:
+def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
@@ -159,7 +159,7 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     probe = matmul_probe(dtype, size=1024, seconds=1.0)
     peak = probe / n_devices
     copy = memcpy_probe() / n_devices
-    return Hardware("cpu", peak, peak, _host_memory_bytes() / n_devices, copy, copy, copy,
+    return Hardware("cpu", peak, peak, host_memory_bytes() / n_devices, copy, copy, copy,
                     fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
                     source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy), split over {n_devices} devices",
                     peak_source=f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {n_devices} "

@@ -11,7 +11,7 @@ The policies, from the least recomputation to the most (and, roughly, the most m
 
 `meshlm plan` rates each with the cost model and keeps the fastest that fits; `meshlm train` (which
 has no step-time model of the machine it runs on) takes the first in this order whose predicted peak
-fits the device's memory.
+fits the device's memory, and on CPU the first of `CPU_POLICIES` (see `meshlm.job.auto_remat`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from meshlm.plan import estimate
 from meshlm.plan.job import Job
 
 POLICIES = ("none", "save_dots", "save_attn", "save_qkv_attn", "full")
+CPU_POLICIES = ("save_qkv_attn", "full")  # XLA:CPU: recomputing beats storing (meshlm.job.auto_remat)
 ACCUMS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -46,11 +47,12 @@ def variants(job: Job, shape: MeshShape):
         yield [with_remat(trial, p) for p in POLICIES]
 
 
-def first_fitting(job: Job, shape: MeshShape, budget_bytes: float) -> tuple[str, float]:
-    """(policy, predicted peak bytes per device): the least recomputation whose peak fits `budget_bytes`,
-    else `full` (the smallest) with its peak, for the caller to report."""
+def first_fitting(job: Job, shape: MeshShape, budget_bytes: float,
+                  policies: tuple[str, ...] = POLICIES) -> tuple[str, float]:
+    """(policy, predicted peak bytes per device): the first of `policies` (least recomputation first)
+    whose peak fits `budget_bytes`, else `full` (the smallest) with its peak, for the caller to report."""
     peak = 0.0
-    for policy in POLICIES:
+    for policy in policies:
         peak = estimate.memory_pie(with_remat(job, policy), shape).total
         if peak <= budget_bytes:
             return policy, peak

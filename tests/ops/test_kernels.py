@@ -28,7 +28,8 @@ def _call(platform, t=4096, dtype="bfloat16", packed=False, head_dim=128, causal
         (_call("gpu"), "cudnn"),
         (_call("gpu", packed=True), "triton"),  # cuDNN's public call has no packed documents
         (_call("gpu", dtype="float32"), "triton"),  # cuDNN needs 16-bit activations
-        (_call("cpu", t=512), "dense"),
+        (_call("cpu", t=128), "dense"),
+        (_call("cpu", t=256), "blockwise"),
         (_call("cpu", t=1100), "blockwise"),
         (_call("tpu", causal=False), "blockwise"),  # the fused kernels serve causal self-attention only
     ],

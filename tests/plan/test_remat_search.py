@@ -10,7 +10,7 @@ from meshlm.cli import main
 from meshlm.config import TrainConfig
 from meshlm.job import auto_remat, resolve_model
 from meshlm.mesh import MeshShape
-from meshlm.plan import estimate, remat, search
+from meshlm.plan import estimate, hardware, remat, search
 from meshlm.plan.hardware import resolve_hardware
 from meshlm.plan.job import Job
 
@@ -87,12 +87,16 @@ class _Device:
         return {"bytes_limit": self.limit}
 
 
-def test_train_auto_is_none_on_cpu_and_the_fitting_policy_on_an_accelerator():
+def test_train_auto_recomputes_the_mlp_on_cpu_and_takes_the_fitting_policy_on_an_accelerator():
+    small = TrainConfig(model="tiny", batch_size=8, seq_len=256)
+    assert auto_remat(small, resolve_model(small)[0], MeshShape(1, 8, 1, 1), _Device("cpu", None)) == "save_qkv_attn"
     cfg = TrainConfig(model="llama3-8b", batch_size=8, seq_len=8192, dtype="bfloat16")
     model, _ = resolve_model(cfg)
     shape = MeshShape(1, 8, 1, 1)
     assert model.remat == "auto"
-    assert auto_remat(cfg, model, shape, _Device("cpu", None)) == "none"
+    host = hardware.host_memory_bytes()
+    if host / 8 < estimate.memory_pie(remat.with_remat(Job(model, 8, 8192, 8), "save_qkv_attn"), shape).total:
+        assert auto_remat(cfg, model, shape, _Device("cpu", None)) == "full"  # the host's share is too small
     roomy, tight = _Device("gpu", 10**13), _Device("gpu", int(60e9))
     assert auto_remat(cfg, model, shape, roomy) == "none"
     chosen = auto_remat(cfg, model, shape, tight)
