@@ -91,7 +91,9 @@ def run_maxtext(python: Path, run: str, workdir: Path) -> list[float]:
     return [steps[s] for s in TIMED]
 
 
-MESHLM_STEP = r"""
+# One meshlm training step on a bench shape, for the scripts here that time one (`build(**flags)`: the
+# placement, the state and the jitted step; `batches()`: fresh synthetic batches).
+MESHLM_SETUP = r"""
 import json, sys, time
 import jax, numpy as np
 from meshlm.config import TrainConfig
@@ -103,22 +105,32 @@ from meshlm.train.step import make_train_step, put_batch
 layers, d, heads, hd, mlp, vocab, seq, batch, mesh_dim, last = json.loads(sys.argv[1])
 overrides = dict(n_layers=layers, d_model=d, n_heads=heads, n_kv_heads=heads, head_dim=hd, mlp_dim=mlp,
                  vocab_size=vocab, max_seq_len=max(seq, 256))
-cfg = TrainConfig(model="tiny", model_overrides={k: str(v) for k, v in overrides.items()}, mesh_dim=mesh_dim,
-                  batch_size=batch, seq_len=seq)
-job = resolve(cfg)
-opt_cfg = OptimizerConfig(lr=3e-4, total_steps=100)
-optimizer = make_optimizer(opt_cfg)
-state = create_train_state(job.placement, optimizer, seed=0)
-step = make_train_step(job.placement, optimizer, lr_schedule(opt_cfg))
-rng = np.random.default_rng(0)
-times = []
-for i in range(1, last + 1):
-    batch_ = put_batch(job.placement, pack_rows(rng.integers(1, vocab, (batch, seq + 1)), eos_id=0))
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch_)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
-print("STEPS " + json.dumps(times))
+def build(**flags):
+    cfg = TrainConfig(model="tiny", model_overrides={k: str(v) for k, v in overrides.items()}, mesh_dim=mesh_dim,
+                      batch_size=batch, seq_len=seq, **flags)
+    job = resolve(cfg)
+    opt_cfg = OptimizerConfig(lr=3e-4, total_steps=100)
+    optimizer = make_optimizer(opt_cfg)
+    return (job.placement, create_train_state(job.placement, optimizer, seed=0),
+            make_train_step(job.placement, optimizer, lr_schedule(opt_cfg)))
+def batches(placement):
+    rng = np.random.default_rng(0)
+    while True:
+        yield put_batch(placement, pack_rows(rng.integers(1, vocab, (batch, seq + 1)), eos_id=0))
+def timed_steps(placement, state, step, n):
+    times, source = [], batches(placement)
+    for _ in range(n):
+        batch_ = next(source)
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch_)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return times
+"""
+
+MESHLM_STEP = MESHLM_SETUP + r"""
+placement, state, step = build()
+print("STEPS " + json.dumps(timed_steps(placement, state, step, last)))
 """
 
 
