@@ -111,25 +111,26 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
     CPU: `save_qkv_attn` (else `full`) while its predicted peak fits the host's memory share. XLA:CPU
     zero-fills the layer loop's saved activations and copies them again before the backward reads them,
     so keeping the MLP's activations costs more than recomputing them (`meshlm.plan.cost.RESIDUAL_PASSES`;
-    the bench shape: +11% tokens/s on 1 device, +31% on fsdp=8, no slower at d_model 1024).
+    `bench/remat_cpu.py` measures it: 1.07x tokens/s on 1 device, 1.27x on fsdp=8 against `none`).
     GPU and TPU: the least recomputation whose peak, as `meshlm plan` predicts it, fits what JAX may use
     of one device (`meshlm.plan.remat.first_fitting`)."""
     import jax
 
     from meshlm.plan.hardware import host_memory_bytes
     from meshlm.plan.job import Job as PlanJob, PipelineFlags
-    from meshlm.plan.remat import CPU_POLICIES, first_fitting
+    from meshlm.plan.remat import CPU_POLICIES, POLICIES, first_fitting
     from meshlm.plan.search import HEADROOM
 
     device = device or jax.devices()[0]
     flags = PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
     job = PlanJob(model, cfg.batch_size, cfg.seq_len, shape.n_devices, cfg.grad_accum, flags)
     if device.platform == "cpu":
-        return first_fitting(job, shape, host_memory_bytes() / shape.n_devices * (1 - HEADROOM), CPU_POLICIES)[0]
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    if not limit:
-        return "none"
-    return first_fitting(job, shape, limit * (1 - HEADROOM))[0]
+        limit, policies = host_memory_bytes() / shape.n_devices, CPU_POLICIES
+    else:
+        limit, policies = (device.memory_stats() or {}).get("bytes_limit"), POLICIES
+        if not limit:
+            return "none"
+    return first_fitting(job, shape, limit * (1 - HEADROOM), policies)[0]
 
 
 def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:

@@ -137,7 +137,7 @@ def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
         got = measure(compiled)
         got["compile_seconds"] = round(time.perf_counter() - t0, 2)
         predicted_coll = plan.collective_bytes["total"]
-        backend = "tpu" if where.startswith("TPU") else "cpu"
+        backend = devices[0].platform  # the compiler that compiled: "tpu" on a topology, else "cpu"
         if plan.shape.pp == 1 and backend != backend_of(hardware):  # compiled elsewhere than planned
             predicted_coll = comms.total_bytes(comms.predict(plan.job, plan.shape, backend))["total"]
         got["error_percent"] = {

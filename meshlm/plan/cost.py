@@ -221,12 +221,12 @@ class StepTime:
 RESIDUAL_PASSES = {"cpu": 4, "gpu": 2, "tpu": 2}
 
 
-def elementwise_bytes(job: Job, shape: MeshShape, backend: str = "gpu") -> float:
+def elementwise_bytes(job: Job, shape: MeshShape, backend: str) -> float:
     """Bytes the non-matmul work of a step without pipeline stages streams per device: each activation
     about three times (forward, backward, recompute), and the activations the remat policy saves for
-    the backward `RESIDUAL_PASSES` times more (so keeping more is not free)."""
+    the backward `RESIDUAL_PASSES[backend]` times more (so keeping more is not free)."""
     loc = job.local(shape)
-    per_token = 3 * saved_per_token_layer(loc, "none") + RESIDUAL_PASSES.get(backend, 2) * saved_per_token_layer(
+    per_token = 3 * saved_per_token_layer(loc, "none") + RESIDUAL_PASSES[backend] * saved_per_token_layer(
         loc, job.cfg.remat)
     return job.cfg.n_layers * job.grad_accum * loc.tokens * per_token * job.act_bytes
 

@@ -56,4 +56,4 @@ def test_estimate_picks_flat_or_pipelined_by_pp():
     flat_ops = estimate.operators(job, flat, hw, comms.predict(job, flat))
     time = estimate.step_time(job, flat, hw, flat_ops, comms.predict(job, flat), memory.estimate(job, flat).params)
     assert time.memory_s * hw.hbm_bandwidth == pytest.approx(
-        cost.elementwise_bytes(job, flat) + 7 * memory.estimate(job, flat).params)
+        cost.elementwise_bytes(job, flat, hw.backend) + 7 * memory.estimate(job, flat).params)
