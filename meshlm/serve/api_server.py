@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -97,6 +98,9 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: st
     sock = sock or bind(host, port)
     server = make_server(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,
                          header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s)
+    # What is alive now (weights, compiled programs, modules) lives as long as the server: frozen out of
+    # the cyclic collector, a full collection no longer walks it, and so no longer stalls the token loop.
+    gc.freeze()
     try:
         with _signal_handled_by_server():
             server.run(sockets=[sock])
