@@ -54,10 +54,24 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
 
     The matmul takes its operands in x's dtype (the compute dtype) and gives the float32 it accumulates
     in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
-    cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
-    and in the weights' own dtype. In float32 this is plain autodiff of one matmul."""
-    logits = _logits(x, weights) if x.dtype == jnp.float32 else _compute_dtype_logits(x, weights)
+    cast to the compute dtype and both matmuls run in it; the weights' gradient is accumulated in float32,
+    reduced across their shards in the compute dtype (`gather_head`) and comes back in the weights' own
+    dtype. In float32 this is plain autodiff of one matmul."""
+    return _project(x, gather_head(weights, x.dtype))
+
+
+def _project(x, gathered):
+    """`project` on weights that `gather_head` has gathered."""
+    logits = _logits(x, gathered) if x.dtype == jnp.float32 else _compute_dtype_logits(x, gathered)
     return sharding.constrain(logits, axes.LOGITS)
+
+
+def gather_head(weights: jax.Array, dtype) -> jax.Array:
+    """The output weights [E, V] as the head uses them: gathered in `dtype` (their embed dimension whole,
+    the vocabulary split as the logits are), as float32 values (exact). Gathered once, before the matmul,
+    the backward pass keeps them rather than gathering them again; their gradient comes back in float32
+    up to this point and is reduced across the shards in `dtype`, as the gather moved them."""
+    return sharding.constrain(weights.astype(dtype), axes.HEAD).astype(jnp.float32)
 
 
 def _logits(x, weights):
@@ -109,18 +123,17 @@ def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_ma
     # [B, L·n, ...] -> [n, B, L, ...]: chunk i is positions i, i + n, ... (see the module docstring).
     xs = sharding.constrain(x.reshape(B, L, n, E).transpose(2, 0, 1, 3), (None, *axes.STREAM))
     ts, ms = (sharding.constrain(a.reshape(B, L, n).transpose(2, 0, 1), (None, *axes.TOKENS)) for a in (targets, mask))
-    # The weights are gathered once, before the loop, in the compute dtype (their embed dimension whole,
-    # the vocabulary split as the logits are). The loop takes them as float32 values so that the backward
-    # pass sums the chunks' weight gradients in float32; each chunk casts them back, exactly.
-    w = sharding.constrain(weights.astype(x.dtype), axes.HEAD).astype(jnp.float32)
+    # Gathered once, before the loop; as float32 values, so that the backward pass sums the chunks' weight
+    # gradients in float32 (each chunk casts them back, exactly).
+    w = gather_head(weights, x.dtype)
 
     def one_chunk(total, chunk_in):
         xc, tc, mc = chunk_in
-        nll = cross_entropy(project(sharding.constrain(xc, axes.STREAM), w), tc, one_hot=one_hot)
+        nll = cross_entropy(_project(sharding.constrain(xc, axes.STREAM), w), tc, one_hot=one_hot)
         return total + jnp.sum(nll * mc), None
 
     total, _ = jax.lax.scan(jax.checkpoint(one_chunk, prevent_cse=False), jnp.zeros((), jnp.float32), (xs, ts, ms))
     return total, jnp.sum(mask)
 
 
-__all__ = ["cross_entropy", "token_loss_sums", "project", "num_chunks", "head_loss_sums"]
+__all__ = ["cross_entropy", "token_loss_sums", "project", "gather_head", "num_chunks", "head_loss_sums"]

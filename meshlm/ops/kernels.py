@@ -146,7 +146,15 @@ def attention(
     if name == "dense":
         return attn.dot_product_attention(q, k, v, **kw)
     if name == "blockwise":
-        return padded_blockwise(q, k, v, **kw)
+        # Per shard, so that the blocks each device skips are decided from its own rows: partitioned by
+        # XLA, every skip test would be an all-reduce over the batch's devices (a rendezvous per block).
+        args = [q, k, v, q_positions, kv_positions] + ([q_segment_ids, kv_segment_ids] if call.packed else [])
+
+        def local(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
+            return padded_blockwise(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
+                                    kv_segment_ids=kv_seg, causal=causal)
+
+        return _per_shard(local, args, layout, check_vma=True)
     return _fused(name, q, k, v, q_segment_ids, layout, interpret)
 
 
@@ -199,18 +207,23 @@ def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bo
     def local(q, k, v, segment_ids=None):
         return kernel(q, k, v, segment_ids, block=block, interpret=interpret)
 
+    # Pallas calls declare no varying mesh axes for their outputs: check_vma cannot type them.
+    args = [q, k, v] + ([] if segment_ids is None else [segment_ids])
+    return _per_shard(local, args, layout, check_vma=False)[:, :t]
+
+
+def _per_shard(local, args: list, layout: Layout | None, check_vma: bool):
+    """`local(q, k, v, *per_token)` on each shard of a `shard_map` over the batch and head axes of `layout`
+    (the arrays after k, v are [B, T] and laid out as the segment ids); called whole where nothing is split."""
     if layout is None or all(e is None for e in (*layout.q_spec, *layout.kv_spec)):
-        return local(q, k, v, segment_ids)[:, :t]
+        return local(*args)
+    q, k, v, *per_token = args
     q_spec, kv_spec = layout.q_spec, layout.kv_spec
     if tuple(q_spec)[2:3] != tuple(kv_spec)[2:3]:
         # Query heads split where kv heads are not: give each shard its query heads' own kv heads.
         group = q.shape[2] // k.shape[2]
         k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
         kv_spec = q_spec
-    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
-    if segment_ids is not None:
-        args.append(segment_ids)
-        specs.append(layout.seq_spec)
-    # Pallas calls declare no varying mesh axes for their outputs: check_vma cannot type them.
-    sharded = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)
-    return sharded(*args)[:, :t]
+    specs = (q_spec, kv_spec, kv_spec) + (layout.seq_spec,) * len(per_token)
+    sharded = jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=check_vma)
+    return sharded(q, k, v, *per_token)
