@@ -1,7 +1,9 @@
 """meshlm against MaxText on the same training job, on this CPU: tokens/s of each and their ratio.
 
 The job: synthetic tokens, AdamW, steps 5-14 timed (median), each framework with its own defaults
-for everything this script does not set. Runs:
+for everything this script does not set. Each step time is taken as the framework's own loop runs:
+MaxText's as it logs it (from one dispatch to the next), meshlm's as `meshlm train` runs (step i+1
+dispatched before step i is waited for; from one step's end to the next's). Runs:
 
   1 device          the benchmark shape on one CPU device
   1,8,1,1           the same shape on 8 simulated devices, fsdp=8
@@ -118,13 +120,20 @@ def batches(placement):
     while True:
         yield put_batch(placement, pack_rows(rng.integers(1, vocab, (batch, seq + 1)), eos_id=0))
 def timed_steps(placement, state, step, n):
-    times, source = [], batches(placement)
+    # As `meshlm train` runs them: step i+1 is dispatched before step i is waited for, so the host's work
+    # (the next batch, the dispatch) overlaps the devices'. Step i's time: from step i-1 done to step i
+    # done (step 1's: from its dispatch, so with its compile).
+    source = batches(placement)
+    done, pending, times = time.perf_counter(), None, []
     for _ in range(n):
-        batch_ = next(source)
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch_)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
+        state, metrics = step(state, next(source))
+        if pending is not None:
+            jax.block_until_ready(pending)
+            times.append(time.perf_counter() - done)
+            done = time.perf_counter()
+        pending = metrics
+    jax.block_until_ready(pending)
+    times.append(time.perf_counter() - done)
     return times
 """
 
