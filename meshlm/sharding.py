@@ -209,11 +209,6 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
 
 
-def in_shard_map() -> bool:
-    """True while a `shard_map` manual over some mesh axes is being traced (pipeline stages, ZeRO 0-2)."""
-    return _manual_context() is not None
-
-
 def _manual_context():
     """The mesh of the `shard_map` being traced when it is manual over some axes, else None."""
     context = jax.sharding.get_abstract_mesh()
@@ -316,5 +311,5 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 __all__ = [
     "Strategy", "for_decoding", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
-    "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "describe_specs", "in_shard_map",
+    "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "describe_specs",
 ]

@@ -242,16 +242,13 @@ class Llama(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         table = self.embed[...] if params is None else params["embed"]
-        # The lookup runs on the table as its parameter is laid out, never gathered whole: with its embed dim
-        # split over the data axes (fsdp), each device looks up its columns of every token's row and one
-        # all-to-all hands each device its own rows' activations (the gradient goes back the same way),
-        # which moves B·T·E values instead of the V·E table and its V·E gradient. The table is cast to the
-        # compute dtype first, so the lookup and what moves are in it.
-        table = table.astype(jnp.dtype(self.cfg.dtype))
-        if sharding.in_shard_map():
-            # Inside a shard_map XLA's partitioner cannot split that lookup (it aborts): gather the embed dim
-            # and keep the vocabulary split, so each shard looks up its own rows and one reduction assembles.
-            table = sharding.constrain(table, axes.EMBED_TABLE)
+        # Gather from a table whose vocab dim stays split over the model axis and whose embed dim is whole:
+        # each shard looks up its own rows and one reduction assembles the activations. The table is cast
+        # to the compute dtype first, so the lookup, the assembly and the gradient's reduction all move
+        # compute-dtype rows. (Looked up in place instead, its embed dim left split over fsdp, XLA turns
+        # the lookup into an all-to-all on pure-fsdp meshes, but replicates and re-partitions with tp or
+        # sp, and its memory no longer follows the planner's fitted model.)
+        table = sharding.constrain(table.astype(jnp.dtype(self.cfg.dtype)), axes.EMBED_TABLE)
         x = jnp.take(table, tokens, axis=0)
         return sharding.constrain(x, axes.STREAM), positions
 

@@ -54,23 +54,19 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
 
     The matmul takes its operands in x's dtype (the compute dtype) and gives the float32 it accumulates
     in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
-    cast to the compute dtype and both matmuls run in it; the weights' gradient is accumulated in float32,
-    reduced across their shards in the compute dtype (`gather_head`) and comes back in the weights' own
-    dtype. In float32 this is plain autodiff of one matmul."""
-    return _project(x, gather_head(weights, x.dtype))
-
-
-def _project(x, gathered):
-    """`project` on weights that `gather_head` has gathered."""
-    logits = _logits(x, gathered) if x.dtype == jnp.float32 else _compute_dtype_logits(x, gathered)
+    cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
+    and in the weights' own dtype. In float32 this is plain autodiff of one matmul. Where the weights
+    are gathered is XLA's choice here (the chunked loss gathers them itself, `gather_head`)."""
+    logits = _logits(x, weights) if x.dtype == jnp.float32 else _compute_dtype_logits(x, weights)
     return sharding.constrain(logits, axes.LOGITS)
 
 
 def gather_head(weights: jax.Array, dtype) -> jax.Array:
-    """The output weights [E, V] as the head uses them: gathered in `dtype` (their embed dimension whole,
-    the vocabulary split as the logits are), as float32 values (exact). Gathered once, before the matmul,
-    the backward pass keeps them rather than gathering them again; their gradient comes back in float32
-    up to this point and is reduced across the shards in `dtype`, as the gather moved them."""
+    """The output weights [E, V] as the chunked loss uses them: gathered in `dtype` (their embed dimension
+    whole, the vocabulary split as the logits are), as float32 values (exact). Gathered once, before the
+    loop, the backward pass keeps them rather than gathering them again; their gradient comes back in
+    float32 up to this point (the chunks' gradients summed in it) and is reduced across the shards in
+    `dtype`, as the gather moved them."""
     return sharding.constrain(weights.astype(dtype), axes.HEAD).astype(jnp.float32)
 
 
@@ -129,7 +125,7 @@ def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_ma
 
     def one_chunk(total, chunk_in):
         xc, tc, mc = chunk_in
-        nll = cross_entropy(_project(sharding.constrain(xc, axes.STREAM), w), tc, one_hot=one_hot)
+        nll = cross_entropy(project(sharding.constrain(xc, axes.STREAM), w), tc, one_hot=one_hot)
         return total + jnp.sum(nll * mc), None
 
     total, _ = jax.lax.scan(jax.checkpoint(one_chunk, prevent_cse=False), jnp.zeros((), jnp.float32), (xs, ts, ms))
