@@ -50,10 +50,11 @@ def test_lora_training_same_on_every_mesh(single, dims):
     other = lora_run(dims)
     np.testing.assert_allclose(other["losses"], single["losses"], rtol=1e-5)
     # Adapters after three AdamW steps: Adam divides each gradient by its own size, so a sum taken in
-    # another order (a few ulps) moves small-gradient entries by ~1e-6 in absolute terms.
+    # another order (a few ulps) moves small-gradient entries by up to about 1e-3 of a step (lr 1e-2)
+    # each step: 1.2e-5 was seen on one entry of 1,1,4,2 on an AVX512-BF16 machine.
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(single["state"].params["lora"]),
                             jax.tree_util.tree_leaves(other["state"].params["lora"])):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=3e-5, err_msg=jax.tree_util.keystr(path))
 
 
 def test_optimizer_state_bytes_at_most_two_percent():
