@@ -243,11 +243,9 @@ class Llama(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         table = self.embed[...] if params is None else params["embed"]
         # Gather from a table whose vocab dim stays split over the model axis and whose embed dim is whole:
-        # each shard looks up its own rows and one reduction assembles the activations. The table is cast
-        # to the compute dtype first, so the lookup, the assembly and the gradient's reduction all move
-        # compute-dtype rows. (Looked up in place instead, its embed dim left split over fsdp, XLA turns
-        # the lookup into an all-to-all on pure-fsdp meshes, but replicates and re-partitions with tp or
-        # sp, and its memory no longer follows the planner's fitted model.)
+        # each shard looks up its own rows and one reduction assembles the activations.
+        # The table is cast to the compute dtype first, so the lookup, the assembly and the gradient's
+        # reduction all move compute-dtype rows.
         table = sharding.constrain(table.astype(jnp.dtype(self.cfg.dtype)), axes.EMBED_TABLE)
         x = jnp.take(table, tokens, axis=0)
         return sharding.constrain(x, axes.STREAM), positions

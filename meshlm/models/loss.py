@@ -55,19 +55,9 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
     The matmul takes its operands in x's dtype (the compute dtype) and gives the float32 it accumulates
     in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
     cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
-    and in the weights' own dtype. In float32 this is plain autodiff of one matmul. Where the weights
-    are gathered is XLA's choice here (the chunked loss gathers them itself, `gather_head`)."""
+    and in the weights' own dtype. In float32 this is plain autodiff of one matmul."""
     logits = _logits(x, weights) if x.dtype == jnp.float32 else _compute_dtype_logits(x, weights)
     return sharding.constrain(logits, axes.LOGITS)
-
-
-def gather_head(weights: jax.Array, dtype) -> jax.Array:
-    """The output weights [E, V] as the chunked loss uses them: gathered in `dtype` (their embed dimension
-    whole, the vocabulary split as the logits are), as float32 values (exact). Gathered once, before the
-    loop, the backward pass keeps them rather than gathering them again; their gradient comes back in
-    float32 up to this point (the chunks' gradients summed in it) and is reduced across the shards in
-    `dtype`, as the gather moved them."""
-    return sharding.constrain(weights.astype(dtype), axes.HEAD).astype(jnp.float32)
 
 
 def _logits(x, weights):
@@ -119,9 +109,10 @@ def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_ma
     # [B, L·n, ...] -> [n, B, L, ...]: chunk i is positions i, i + n, ... (see the module docstring).
     xs = sharding.constrain(x.reshape(B, L, n, E).transpose(2, 0, 1, 3), (None, *axes.STREAM))
     ts, ms = (sharding.constrain(a.reshape(B, L, n).transpose(2, 0, 1), (None, *axes.TOKENS)) for a in (targets, mask))
-    # Gathered once, before the loop; as float32 values, so that the backward pass sums the chunks' weight
-    # gradients in float32 (each chunk casts them back, exactly).
-    w = gather_head(weights, x.dtype)
+    # The weights are gathered once, before the loop, in the compute dtype (their embed dimension whole,
+    # the vocabulary split as the logits are). The loop takes them as float32 values so that the backward
+    # pass sums the chunks' weight gradients in float32; each chunk casts them back, exactly.
+    w = sharding.constrain(weights.astype(x.dtype), axes.HEAD).astype(jnp.float32)
 
     def one_chunk(total, chunk_in):
         xc, tc, mc = chunk_in
@@ -132,4 +123,4 @@ def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_ma
     return total, jnp.sum(mask)
 
 
-__all__ = ["cross_entropy", "token_loss_sums", "project", "gather_head", "num_chunks", "head_loss_sums"]
+__all__ = ["cross_entropy", "token_loss_sums", "project", "num_chunks", "head_loss_sums"]
