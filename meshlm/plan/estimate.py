@@ -1,7 +1,7 @@
 """One mesh's predictions, with or without pipeline stages: the one place that chooses between the flat
 estimators (`memory`, `comms`, `cost`) and the pipelined one (`pipeline`) by the mesh's pp.
 
-    pie = memory_pie(job, shape)
+    pie = memory_pie(job, shape, memory.compiler_for(hw.name))
     found = collectives(job, shape, hw.backend)
     ops = operators(job, shape, hw, found)
     time = step_time(job, shape, hw, ops, found, pie.params)
@@ -15,9 +15,10 @@ from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 
 
-def memory_pie(job: Job, shape: MeshShape) -> memory.MemoryPie:
-    """Bytes per device: parameters, gradients, optimizer state, activations, temporaries."""
-    return pipeline.estimate(job, shape) if shape.pp > 1 else memory.estimate(job, shape)
+def memory_pie(job: Job, shape: MeshShape, compiler: str = "cpu") -> memory.MemoryPie:
+    """Bytes per device: parameters, gradients, optimizer state, activations, temporaries (these as
+    `compiler` assigns them: `memory.compiler_for(hw.name)`; pipelines keep XLA:CPU's)."""
+    return pipeline.estimate(job, shape) if shape.pp > 1 else memory.estimate(job, shape, compiler)
 
 
 def collectives(job: Job, shape: MeshShape, backend: str = "cpu") -> list[comms.Collective]:

@@ -61,10 +61,21 @@ from meshlm.plan.state_bytes import state_bytes
 #   gradients   the gradients (1.0: all of them live)
 #   activations the saved activations (1.0: all of them live)
 PLACES = {
-    "forward": {"tables": 3.98, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10, "activations": 0.51},
-    "backward": {"logits": 1.53, "stream": 11.71, "weights": 3.28, "accum": 2.06, "gradients": 0.39,
-                 "activations": 1.10},
+    "cpu": {
+        "forward": {"tables": 3.98, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10, "activations": 0.51},
+        "backward": {"logits": 1.53, "stream": 11.71, "weights": 3.28, "accum": 2.06, "gradients": 0.39,
+                     "activations": 1.10},
+    },
 }
+
+
+def compiler_for(hardware: str) -> str:
+    """The `PLACES` entry for a hardware catalog name (`tpu-v5p`) or a JAX device kind (`TPU v5 lite`):
+    the compiler whose buffer assignment was fitted. Hardware without its own entry (GPUs, other TPU
+    generations) gets XLA:CPU's."""
+    name = hardware.strip().lower()
+    name = {"tpu v5 lite": "tpu-v5e", "tpu v5e": "tpu-v5e", "tpu v5p": "tpu-v5p", "tpu v5": "tpu-v5p"}.get(name, name)
+    return name if name in PLACES else "cpu"
 BATCH_FIELDS = 5  # inputs, targets, positions, segment_ids, loss_mask: 4 bytes per token each
 
 
@@ -103,16 +114,19 @@ class MemoryPie:
                 "activations": self.activations, "temporaries": self.temporaries, "total": self.total}
 
 
-def estimate(job: Job, shape: MeshShape) -> MemoryPie:
-    """The memory pie of one device on a mesh without pipeline stages."""
+def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
+    """The memory pie's inputs on one device: the exact parts (params, gradients, optimizer, activations,
+    batch) and the size of one buffer of each `PLACES` term."""
     loc = job.local(shape)
     cfg = job.cfg
     state = state_bytes(cfg)
-    params, grads, opt = state.params_bytes(shape), state.grads_bytes(shape), state.optimizer_bytes(shape)
     a, p, n = job.act_bytes, job.param_bytes, loc.tokens
+    grads = state.grads_bytes(shape)
     activations = cfg.n_layers * n * saved_per_token_layer(loc, cfg.remat) * a
     fsdp = shape.fsdp * shape.sp > 1
     stream = n * cfg.d_model * a
+    exact = {"params": state.params_bytes(shape), "gradients": grads, "optimizer": state.optimizer_bytes(shape),
+             "activations": activations, "batch": BATCH_FIELDS * 4 * n * job.grad_accum}
     sizes = {
         "logits": n * loc.vocab * 4,
         "tables": loc.w_table * p,
@@ -123,10 +137,18 @@ def estimate(job: Job, shape: MeshShape) -> MemoryPie:
         "gradients": grads,
         "activations": activations,
     }
-    live = {place: {k: int(c * sizes[k]) for k, c in coeffs.items()} for place, coeffs in PLACES.items()}
+    return exact, sizes
+
+
+def estimate(job: Job, shape: MeshShape, compiler: str = "cpu") -> MemoryPie:
+    """The memory pie of one device on a mesh without pipeline stages, with the temporaries of `compiler`
+    (a key of `PLACES`; `compiler_for(hardware)` picks it)."""
+    exact, sizes = terms(job, shape)
+    grads, activations = exact["gradients"], exact["activations"]
+    live = {place: {k: int(c * sizes[k]) for k, c in coeffs.items()} for place, coeffs in PLACES[compiler].items()}
     place = max(live, key=lambda name: sum(live[name].values()))
     # Temporaries: the place's buffers, less the gradients and activations counted in the pie.
     detail = {f"{k} ({place} pass)": v for k, v in live[place].items() if k not in ("gradients", "activations") and v}
     detail["gradients and activations not live at the peak"] = live[place]["gradients"] + live[place]["activations"] - grads - activations
-    detail["batch"] = BATCH_FIELDS * 4 * n * job.grad_accum
-    return MemoryPie(params, grads, opt, activations, max(0, sum(detail.values())), detail)
+    detail["batch"] = exact["batch"]
+    return MemoryPie(exact["params"], grads, exact["optimizer"], activations, max(0, sum(detail.values())), detail)

@@ -48,12 +48,12 @@ def variants(job: Job, shape: MeshShape):
 
 
 def first_fitting(job: Job, shape: MeshShape, budget_bytes: float,
-                  policies: tuple[str, ...] = POLICIES) -> tuple[str, float]:
+                  policies: tuple[str, ...] = POLICIES, compiler: str = "cpu") -> tuple[str, float]:
     """(policy, predicted peak bytes per device): the first of `policies` (least recomputation first)
     whose peak fits `budget_bytes`, else `full` (the smallest) with its peak, for the caller to report."""
     peak = 0.0
     for policy in policies:
-        peak = estimate.memory_pie(with_remat(job, policy), shape).total
+        peak = estimate.memory_pie(with_remat(job, policy), shape, compiler).total
         if peak <= budget_bytes:
             return policy, peak
     return "full", peak

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, all_mesh_shapes
-from meshlm.plan import comms, cost, estimate, pipeline, remat
+from meshlm.plan import comms, cost, estimate, memory, pipeline, remat
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 from meshlm.plan.pipeline import PipelinePlan
@@ -54,7 +54,7 @@ class Plan:
 
 def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """All predictions for one mesh (assumed valid for the job: see `Job.problem`)."""
-    pie = estimate.memory_pie(job, shape)
+    pie = estimate.memory_pie(job, shape, memory.compiler_for(hw.name))
     collectives = estimate.collectives(job, shape, hw.backend)
     ops = estimate.operators(job, shape, hw, collectives)
     time = estimate.step_time(job, shape, hw, ops, collectives, pie.params)
@@ -79,7 +79,7 @@ def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     smallest, smallest_bytes = None, math.inf
     for trials in remat.variants(job, shape):
         # Memory first (cheap); the step-time model only for the policies that fit.
-        peaks = [estimate.memory_pie(trial, shape).total for trial in trials]
+        peaks = [estimate.memory_pie(trial, shape, memory.compiler_for(hw.name)).total for trial in trials]
         fitting = [evaluate(trial, shape, hw) for trial, peak in zip(trials, peaks) if peak <= budget]
         if fitting:
             return min(fitting, key=lambda p: p.time.step_s)
@@ -160,7 +160,7 @@ def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | Non
 
 
 def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None, pps: tuple[int, ...] = (1,)) -> str:
-    budget = hw.hbm_bytes * (1 - HEADROOM)
+    budget, compiler = hw.hbm_bytes * (1 - HEADROOM), memory.compiler_for(hw.name)
     searched = job.cfg.remat == "auto"
     head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}"
             f"{' --remat=' + best.job.cfg.remat if searched else ''}) needs {_gb(best.memory.total)} per device")
@@ -180,10 +180,10 @@ def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None
         shapes = [mesh_dim] if mesh_dim is not None and trial.n_devices == job.n_devices else None
         valid = shapes or candidate_shapes(trial, pps=trial_pps)[0]
         valid = [s for s in valid if trial.problem(s) is None]
-        fitting = [s for s in valid if estimate.memory_pie(trial, s).total <= budget]
+        fitting = [s for s in valid if estimate.memory_pie(trial, s, compiler).total <= budget]
         if fitting:
             if flag.startswith("--pp="):
-                smallest = min(fitting, key=lambda s: estimate.memory_pie(trial, s).total)
+                smallest = min(fitting, key=lambda s: estimate.memory_pie(trial, s, compiler).total)
                 flag = f"{flag} (e.g. {smallest.flags})"
             return f"{head}; nearest change that fits: {flag}"
     return f"{head}; even 16x the devices with --remat=full does not fit: use a smaller model or shorter --seq_len"
