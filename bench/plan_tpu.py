@@ -118,60 +118,58 @@ def fit_rows(hardware: str, cache: Path | None, fresh: bool) -> list[tuple[dict,
     return rows
 
 
-def fit_places(rows: list[tuple[dict, dict, int]], start: dict) -> tuple[dict, float]:
-    """`PLACES` coefficients for these compiled cases: the smallest worst relative error of the peak, then,
-    within 2% of that error, the coefficients nearest `start` (relative), so that a term the cases say
-    little about keeps its start value. The peak is params + optimizer + batch + the larger place; each
-    case is fitted to the place `start` says is the larger, and the other is kept no higher (repeated
-    with the new coefficients until the places stay put). Returns (places, worst error)."""
+# What `--fit` keeps fixed: XLA:CPU's forward place with the tables at half (XLA:TPU gathers them in
+# bfloat16) and the weights cast once for all layers when no gather happens inside the loop.
+FIT_FORWARD = {**memory.PLACES["cpu"]["forward"], "tables": 2.0, "cast_params": 1.0}
+FIT_BACKWARD_START = {**memory.PLACES["cpu"]["backward"], "layer": 1.0, "scores": 1.0, "cast_params": 1.0}
+
+
+def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
+    """`PLACES` coefficients for these compiled cases: the forward place is FIT_FORWARD; the backward
+    place's coefficients give the smallest worst relative error of the peak (params + optimizer +
+    batch + the larger place), found by bisection on the error, each step a linear feasibility
+    problem (a case whose forward place is within the error needs no lower bound from the backward
+    place); among those within 0.5% of the best, the coefficients nearest FIT_BACKWARD_START
+    (relative), so that a term the cases say little about keeps its start value. Returns (places, worst)."""
     import numpy as np
     from scipy.optimize import linprog
 
-    keys = [(place, term) for place, terms in start.items() for term in terms]
-    # A term no case has (gradient accumulation, say) keeps its start value.
-    free = [k for k in keys if any(sizes[k[1]] for _, sizes, _ in rows)]
-    coeffs = {place: dict(terms) for place, terms in start.items()}
-    worst = float("inf")
-    for _ in range(8):
-        def level(place, sizes):
-            return sum(c * sizes[t] for t, c in coeffs[place].items())
-        chosen = [max(coeffs, key=lambda place: level(place, sizes)) for _, sizes, _ in rows]
-        n = len(free)
+    free = [t for t in FIT_BACKWARD_START if any(sizes[t] for _, sizes, _ in rows)]
+    start = [max(FIT_BACKWARD_START[t], 0.05) for t in free]
+    n = len(free)
+
+    def solve(err: float) -> list[float] | None:
         a_ub, b_ub = [], []
-        for (exact, sizes, peak), top in zip(rows, chosen):
+        for exact, sizes, peak in rows:
             base = exact["params"] + exact["optimizer"] + exact["batch"]
-            for place in coeffs:
-                fixed = sum(c * sizes[t] for t, c in coeffs[place].items() if (place, t) not in free)
-                row = [sizes[t] if p == place else 0.0 for p, t in free]
-                a_ub.append(row + [-peak]); b_ub.append(peak - base - fixed)  # at most (1 + t)·peak
-                if place == top:
-                    a_ub.append([-x for x in row] + [-peak]); b_ub.append(base + fixed - peak)  # at least (1 - t)·peak
-        a_ub, b_ub = np.array(a_ub) / 1e9, np.array(b_ub) / 1e9
-        first = linprog([0.0] * n + [1.0], A_ub=a_ub, b_ub=b_ub, bounds=[(0, None)] * (n + 1))
-        if not first.success:
-            raise SystemExit(f"fit failed: {first.message}")
-        # Second pass: the error within 2% of the best, the coefficients as near `start` as that allows.
-        s0 = [max(start[p][t], 0.05) for p, t in free]
-        m = len(a_ub)
-        cost = [0.0] * (n + 1) + [1.0 / s for s in s0]  # variables: c, t (fixed), d = |c - start|
-        a2 = [list(r) + [0.0] * n for r in a_ub]
-        b2 = list(b_ub)
-        for i in range(n):
-            up = [0.0] * (2 * n + 1); up[i] = 1.0; up[n + 1 + i] = -1.0
-            dn = [0.0] * (2 * n + 1); dn[i] = -1.0; dn[n + 1 + i] = -1.0
-            a2 += [up, dn]; b2 += [start[free[i][0]][free[i][1]], -start[free[i][0]][free[i][1]]]
-        t_bound = first.x[n] + 0.02
-        second = linprog(cost, A_ub=np.array(a2), b_ub=np.array(b2),
-                         bounds=[(0, None)] * n + [(t_bound, t_bound)] + [(0, None)] * n)
-        x = second.x if second.success else first.x
-        for i, (p, t) in enumerate(free):
-            coeffs[p][t] = round(float(x[i]), 2)
-        new_chosen = [max(coeffs, key=lambda place: level(place, sizes)) for _, sizes, _ in rows]
-        worst = max(abs((e["params"] + e["optimizer"] + e["batch"] + max(level(p, s) for p in coeffs)) / y - 1)
-                    for e, s, y in rows)
-        if new_chosen == chosen:
-            break
-    return coeffs, worst
+            forward = base + sum(c * sizes[t] for t, c in FIT_FORWARD.items())
+            if forward > (1 + err) * peak:
+                return None
+            row = [sizes[t] / 1e9 for t in free]
+            a_ub.append(row + [0.0] * n); b_ub.append(((1 + err) * peak - base) / 1e9)
+            if forward < (1 - err) * peak:
+                a_ub.append([-x for x in row] + [0.0] * n); b_ub.append((base - (1 - err) * peak) / 1e9)
+        for i in range(n):  # d_i >= |c_i - start_i|
+            up, down = [0.0] * (2 * n), [0.0] * (2 * n)
+            up[i], up[n + i], down[i], down[n + i] = 1.0, -1.0, -1.0, -1.0
+            a_ub += [up, down]; b_ub += [start[i], -start[i]]
+        res = linprog([0.0] * n + [1 / s for s in start], A_ub=np.array(a_ub), b_ub=np.array(b_ub),
+                      bounds=[(0, None)] * (2 * n))
+        return list(res.x[:n]) if res.success else None
+
+    lo, hi = 0.0, 1.0
+    if solve(hi) is None:
+        raise SystemExit("no backward coefficients bring every case within 100%: the forward place alone is too high")
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if solve(mid) is not None else (mid, hi)
+    found = solve(hi + 0.005)
+    backward = {**FIT_BACKWARD_START, **{t: round(float(c), 2) for t, c in zip(free, found)}}
+    places = {"forward": FIT_FORWARD, "backward": backward}
+    worst = max(abs((e["params"] + e["optimizer"] + e["batch"]
+                     + max(sum(c * s[t] for t, c in place.items()) for place in places.values())) / y - 1)
+                for e, s, y in rows)
+    return places, worst
 
 
 def print_row(r: dict) -> None:
@@ -201,7 +199,7 @@ def main() -> None:
     if args.fit:
         for hardware in args.hardware.split(","):
             print(f"{hardware}: fit set", flush=True)
-            places, worst = fit_places(fit_rows(hardware, cache, args.fresh), memory.PLACES["cpu"])
+            places, worst = fit_places(fit_rows(hardware, cache, args.fresh))
             print(f'    "{hardware}": {places},  # worst {100 * worst:.1f}% over the fit set')
         return
     print(f"{DEVICES} chips, bfloat16 compute, float32 parameters, --remat=full; ratio = predicted / compiled "
