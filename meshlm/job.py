@@ -131,7 +131,7 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
         limit, policies = (device.memory_stats() or {}).get("bytes_limit"), POLICIES
         if not limit:
             return "none"
-    return first_fitting(job, shape, limit * (1 - HEADROOM), policies, compiler_for(getattr(device, "device_kind", "")))[0]
+    return first_fitting(job, shape, limit * (1 - HEADROOM), policies, compiler_for(device.device_kind))[0]
 
 
 def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:

@@ -88,8 +88,10 @@ def compiler_for(hardware: str) -> str:
     the compiler whose buffer assignment was fitted. Hardware without its own entry (GPUs, other TPU
     generations) gets XLA:CPU's."""
     name = hardware.strip().lower()
-    name = {"tpu v5 lite": "tpu-v5e", "tpu v5e": "tpu-v5e", "tpu v5p": "tpu-v5p", "tpu v5": "tpu-v5p"}.get(name, name)
+    name = {"tpu v5p": "tpu-v5p", "tpu v5": "tpu-v5p"}.get(name, name)  # device kinds of the fitted chips
     return name if name in PLACES else "cpu"
+
+
 BATCH_FIELDS = 5  # inputs, targets, positions, segment_ids, loss_mask: 4 bytes per token each
 
 

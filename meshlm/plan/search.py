@@ -75,11 +75,11 @@ def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     gradient-accumulation micro-batches that make one fit (`meshlm.plan.remat`); the smallest if none does."""
     if job.cfg.remat != "auto":
         return evaluate(job, shape, hw)
-    budget = hw.hbm_bytes * (1 - HEADROOM)
+    budget, compiler = hw.hbm_bytes * (1 - HEADROOM), memory.compiler_for(hw.name)
     smallest, smallest_bytes = None, math.inf
     for trials in remat.variants(job, shape):
         # Memory first (cheap); the step-time model only for the policies that fit.
-        peaks = [estimate.memory_pie(trial, shape, memory.compiler_for(hw.name)).total for trial in trials]
+        peaks = [estimate.memory_pie(trial, shape, compiler).total for trial in trials]
         fitting = [evaluate(trial, shape, hw) for trial, peak in zip(trials, peaks) if peak <= budget]
         if fitting:
             return min(fitting, key=lambda p: p.time.step_s)

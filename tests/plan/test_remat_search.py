@@ -82,6 +82,7 @@ def test_first_fitting_is_the_least_recomputation_under_the_budget():
 class _Device:
     def __init__(self, platform, limit):
         self.platform, self.limit = platform, limit
+        self.device_kind = "fake accelerator"
 
     def memory_stats(self):
         return {"bytes_limit": self.limit}
