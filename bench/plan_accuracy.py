@@ -29,6 +29,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -81,14 +82,16 @@ def synthetic_batch(cfg, rows: int, seq: int) -> dict:
                 segment_ids=np.ones((rows, seq), np.int32), loss_mask=np.ones((rows, seq), np.float32))
 
 
-def ranking(model: str, batch: int, seq: int, rounds: int) -> None:
+def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = None) -> None:
     cfg = resolve_model(model, {}).replace(dtype="float32")
     job = Job(cfg, batch, seq, 8)
     hw = resolve_hardware("cpu", 8, "float32")
     plans, _ = search.search(job, hw)
     print(f"\n2. ranking: --model={model} --batch_size={batch} --seq_len={seq}, float32, 8 simulated CPU devices; "
           f"{len(plans)} candidate meshes")
-    print(f"   probe: {hw.peak_fp32 * 8 / 1e9:.1f} GFLOP/s matmul, {hw.fast_bandwidth * 8 / 1e9:.1f} GB/s copy (whole machine)")
+    print(f"   probe: {hw.peak_fp32 * 8 / 1e9:.1f} GFLOP/s matmul, {hw.fast_bandwidth * 8 / 1e9:.1f} GB/s copy (whole machine), "
+          f"{hw.collective_latency * 1e6:.0f} µs per collective; matmul efficiency by rows per device: "
+          + ", ".join(f"{r}: {e:.2f}" for r, e in hw.matmul_rows))
     optimizer = make_optimizer(OptimizerConfig())
     host = synthetic_batch(cfg, batch, seq)
     runs = []
@@ -122,10 +125,24 @@ def ranking(model: str, batch: int, seq: int, rounds: int) -> None:
     print(f"   plan's first choice --mesh_dim={first['plan'].mesh_dim}: median step {ratio:.3f} x the fastest measured "
           f"(--mesh_dim={fastest['plan'].mesh_dim}), measured rank {measured_rank} of {len(runs)}: "
           f"{'within' if ratio <= 1.10 else 'NOT within'} 10%; best step {first['best'] / fastest_best:.3f} x the fastest best")
+    top = runs[:5]
+    fastest_top = min(top, key=lambda r: r["measured"])
+    top_ratio = first["measured"] / fastest_top["measured"]
+    print(f"   among the plan's top {len(top)}: the first choice's median step is {top_ratio:.3f} x the fastest of them "
+          f"(--mesh_dim={fastest_top['plan'].mesh_dim}): {'within' if top_ratio <= 1.10 else 'NOT within'} 10%")
     print(f"   rank correlation of predicted and measured step times: "
           f"{rank_correlation([r['plan'].time.step_s for r in runs], [r['measured'] for r in runs]):.2f}; "
           f"slowest / fastest measured: {max(r['measured'] for r in runs) / fastest['measured']:.2f}, "
           f"predicted: {runs[-1]['plan'].time.step_s / runs[0]['plan'].time.step_s:.2f}")
+    if save:
+        rows = [dict(mesh_dim=r["plan"].mesh_dim, remat=r["plan"].job.cfg.remat, predicted_s=r["plan"].time.step_s,
+                     compute_s=r["plan"].time.compute_s, comm_s=r["plan"].time.comm_s,
+                     collectives=sum(c.count for c in r["plan"].collectives),
+                     serial_collectives=sum(c.count for c in r["plan"].collectives if not c.overlappable),
+                     measured_s=r["measured"], best_s=r["best"], times=r["times"]) for r in runs]
+        Path(save).write_text(json.dumps(dict(model=model, batch_size=batch, seq_len=seq, hardware=dict(
+            peak=hw.peak_fp32, copy=hw.fast_bandwidth, latency=hw.collective_latency), plans=rows), indent=1))
+        print(f"   saved to {save}")
 
 
 def rank_correlation(a: list[float], b: list[float]) -> float:
@@ -141,10 +158,11 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7, help="timed steps per mesh (round-robin)")
     p.add_argument("--skip_grid", action="store_true")
+    p.add_argument("--save", help="write each mesh's predicted and measured step times to this JSON file")
     args = p.parse_args()
     if not args.skip_grid:
         grid()
-    ranking(args.model, args.batch_size, args.seq_len, args.rounds)
+    ranking(args.model, args.batch_size, args.seq_len, args.rounds, args.save)
 
 
 if __name__ == "__main__":

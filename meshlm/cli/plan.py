@@ -130,8 +130,10 @@ def run(argv: list[str]) -> int:
     n_devices, per_host = _device_count(args, CATALOG[key].devices_per_host if key in CATALOG else None)
     cluster = distributed.resolve(args.coordinator_address, args.num_processes, args.process_id, args.peer_timeout)
     if not (args.verify and cluster.multi_process):
-        if args.verify:
-            configure_devices(n_devices)  # effective only if JAX has not started yet (a fresh process)
+        if args.verify or key == "cpu":
+            # Effective only if JAX has not started yet (a fresh process): --verify compiles on these
+            # devices, and the CPU's probes measure collectives and matmuls over them.
+            configure_devices(n_devices)
         return _run(args, cfg, overrides, n_devices, per_host, key, cluster.process_id == 0)
     if n_devices % cluster.num_processes:
         raise UsageError(f"--devices={n_devices} does not split over --num_processes={cluster.num_processes}")

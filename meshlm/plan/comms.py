@@ -217,7 +217,8 @@ def wire_seconds(c: Collective, shape: MeshShape, hw: Hardware) -> float:
     all-gather / reduce-scatter move payload·(g-1)/g per device, all-reduce twice that; a group
     spanning fast domains runs hierarchically: the fast part over the fast link, then 1/g_fast of
     the payload over the slow link. A permute sends its payload once, over the slow link if the ring
-    leaves the fast domain.
+    leaves the fast domain. Each execution also pays the hardware's `collective_latency` (measured on
+    simulated CPU devices, where every collective is a rendezvous of all device threads; 0 elsewhere).
     """
     split = axis_split(shape, hw)
     g_fast = math.prod(split[a][0] for a in c.axes)
@@ -228,7 +229,7 @@ def wire_seconds(c: Collective, shape: MeshShape, hw: Hardware) -> float:
         factor = 2.0 if c.kind == "all-reduce" else 1.0
         seconds = factor * (c.payload * (g_fast - 1) / g_fast / hw.fast_bandwidth
                             + c.payload / g_fast * (g_slow - 1) / g_slow / hw.slow_bandwidth)
-    return seconds * c.count
+    return (seconds + hw.collective_latency) * c.count
 
 
 def link_bytes(c: Collective, shape: MeshShape, hw: Hardware) -> dict[str, float]:

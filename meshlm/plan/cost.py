@@ -134,17 +134,30 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     recomputed = _RECOMPUTED.get(job.cfg.remat, set())
     rows = {name: (text, fwd[name] * (3 + (name in recomputed)) * L * A if flops is None else flops)
             for name, (text, flops) in operator_rows(job, shape).items()}
-    return rated_operators(rows, job, shape, hw, collectives)
+    # Attention runs forward, backward, and again forward where the policy recomputes it.
+    return rated_operators(rows, job, shape, hw, collectives, ring_loops=(2 + ("attention" in recomputed)) * L * A)
+
+
+# The operators that are one [tokens, in] @ [in, out] matmul per device (and its two backward matmuls):
+# they run at the hardware's measured efficiency for the device's rows (`Hardware.matmul_efficiency`).
+ROW_MATMULS = ("attn.qkv", "attn.out", "mlp.in", "mlp.down", "lm_head")
 
 
 def rated_operators(rows: dict[str, tuple[str, float]], job: Job, shape: MeshShape, hw: Hardware,
-                    collectives: list[comms.Collective]) -> list[Operator]:
-    """One `Operator` per row (name -> (notation, FLOPs)) with its collectives, times and intensity."""
+                    collectives: list[comms.Collective], ring_loops: float = 0) -> list[Operator]:
+    """One `Operator` per row (name -> (notation, FLOPs)) with its collectives, times and intensity.
+
+    Matmuls run at the hardware's efficiency for the device's rows; with sp, attention also pays the
+    hardware's `ring_step_s` for each of the sp steps of each of its `ring_loops` ring loops per step."""
     loc = job.local(shape)
     ops = []
     for name, (text, flops) in rows.items():
         op = Operator(name, text, flops, [c for c in collectives if c.op == name])
         op.compute_s = flops / hw.peak_flops(job.cfg.dtype)
+        if name in ROW_MATMULS:
+            op.compute_s /= hw.matmul_efficiency(loc.tokens)
+        if name == "attention" and shape.sp > 1:
+            op.compute_s += hw.ring_step_s * shape.sp * ring_loops
         _rate(op, shape, hw, loc)
         ops.append(op)
     return ops

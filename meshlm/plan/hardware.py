@@ -22,7 +22,9 @@ all of it.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import dataclass, replace
 
 from meshlm.errors import UsageError
@@ -46,6 +48,23 @@ class Hardware:
     memory_fraction: float = 1.0  # the share of the device's memory JAX takes
     memory_setting: str = ""  # which setting decided memory_fraction
     peak_source: str = "datasheet peak, the table meshlm train's MFU uses"  # where peak_* come from
+    collective_latency: float = 0.0  # seconds each collective costs beyond its bytes (simulated devices' rendezvous)
+    matmul_rows: tuple[tuple[int, float], ...] = ()  # measured (rows per device, fraction of peak); () = peak
+    ring_step_s: float = 0.0  # seconds each step of a RingAttention loop costs beyond its FLOPs and collectives
+
+    def matmul_efficiency(self, rows: float) -> float:
+        """The fraction of peak a matmul of `rows` rows per device runs at: measured points of
+        `matmul_rows` interpolated in log(rows) and held flat beyond them; 1 where nothing was measured."""
+        points = self.matmul_rows
+        if not points:
+            return 1.0
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, e0), (r1, e1) in zip(points, points[1:]):
+            if rows <= r1:
+                t = math.log(rows / r0) / math.log(r1 / r0)
+                return e0 + t * (e1 - e0)
+        return points[-1][1]
 
     @property
     def memory_note(self) -> str:
@@ -131,8 +150,6 @@ def host_memory_bytes() -> float:
 
 def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
     """Measured bytes/s of one large in-memory copy (the best of a few), what simulated collectives do."""
-    import time
-
     import numpy as np
 
     src = np.ones(n_bytes // 8, dtype=np.float64)
@@ -145,6 +162,107 @@ def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
     return n_bytes / best
 
 
+def collective_latency_probe(n_devices: int, chain: int = 16, repeats: int = 15) -> tuple[float, int]:
+    """(seconds, devices): what one collective costs on this machine's simulated CPU devices beyond its
+    bytes, and over how many devices it was measured (the first `n_devices` JAX has; 0 s for one).
+
+    Every collective of simulated devices is a rendezvous of all their threads, however few bytes it
+    moves. The probe times a jitted chain of `chain` dependent all-reduces of a few bytes against a chain
+    of one and keeps the best slope of `repeats` tries."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec
+
+    devices = jax.devices("cpu")[:n_devices]
+    if len(devices) < 2:
+        return 0.0, len(devices)
+    mesh = Mesh(np.array(devices), ("x",))
+    x = jax.device_put(np.ones(len(devices) * 8, np.float32), jax.sharding.NamedSharding(mesh, PartitionSpec("x")))
+
+    def timed(k: int) -> float:
+        def body(v):
+            for _ in range(k):
+                v = jax.lax.psum(v, "x") * (1.0 / len(devices))
+            return v
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x")))
+        f(x).block_until_ready()  # compile + warm up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return max(0.0, (timed(chain + 1) - timed(1)) / chain), len(devices)
+
+
+def matmul_rows_probe(n_devices: int, dtype: str, peak: float, rows: tuple[int, ...] = (64, 128, 256, 512, 1024),
+                      width: int = 512, repeats: int = 5) -> tuple[tuple[int, float], ...]:
+    """((rows, fraction of `peak`), ...): how fast a [rows, width] @ [width, width] matmul runs on each of
+    the first `n_devices` simulated CPU devices at once (the devices share the cores, as in a step),
+    against `peak`, the whole machine's rate on one large matmul. Few rows per device (a small batch
+    split many ways) run well below the peak: the probe measures by how much."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices("cpu")[:n_devices]
+    mesh = Mesh(np.array(devices), ("x",))
+    split = NamedSharding(mesh, PartitionSpec("x"))
+    w = jax.device_put(jnp.full((len(devices) * width, width), 1.0 / width, dtype), split)
+    f = jax.jit(jax.shard_map(lambda x, w: (x @ w) @ w, mesh=mesh, in_specs=(PartitionSpec("x"),) * 2,
+                              out_specs=PartitionSpec("x")))
+    xs = [jax.device_put(jnp.ones((len(devices) * r, width), dtype), split) for r in rows]
+    for x in xs:
+        f(x, w).block_until_ready()  # compile + warm up each size
+    best = [float("inf")] * len(rows)
+    for _ in range(repeats):  # round-robin over the sizes: a burst of load elsewhere hits them all alike
+        for i, x in enumerate(xs):
+            t0 = time.perf_counter()
+            f(x, w).block_until_ready()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    out = [(r, min(1.0, len(devices) * 4 * r * width * width / t / peak)) for r, t in zip(rows, best)]
+    return tuple(out)
+
+
+def ring_step_probe(n_devices: int, latency: float, local_len: int = 16, repeats: int = 7) -> float:
+    """Seconds one step of meshlm's RingAttention loop costs on the first `n_devices` simulated CPU
+    devices beyond its FLOPs and the rendezvous of its permute (`latency`, charged with the collectives):
+    the loops' own bookkeeping, measured as the best of `repeats` forward + backward passes of the real
+    kernel on a ring of all the devices at a size where the FLOPs are negligible (`local_len` tokens,
+    one head of 16 per device). 0 for fewer than 2 devices."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec
+
+    from meshlm.ops.ring import ring_attention
+
+    devices = jax.devices("cpu")[:n_devices]
+    sp = len(devices)
+    if sp < 2:
+        return 0.0
+    mesh = Mesh(np.array(devices), ("sp",))
+    length = sp * local_len
+    x = jnp.full((1, length, 1, 16), 0.1, jnp.float32)
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+
+    def total(q, k, v):
+        return ring_attention(q, k, v, q_positions=positions, kv_positions=positions, mesh=mesh, axis_name="sp",
+                              qkv_spec=PartitionSpec(None, "sp"), seq_spec=PartitionSpec(None, "sp")).sum()
+
+    f = jax.jit(jax.grad(total, argnums=(0, 1, 2)))
+    jax.block_until_ready(f(x, x, x))  # compile + warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, x, x))
+        best = min(best, time.perf_counter() - t0)
+    return max(0.0, best / (2 * sp) - latency)  # a forward and a backward loop of sp steps each
+
+
 def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     """This machine's CPU shared by `n_devices` simulated devices, every figure measured.
 
@@ -152,16 +270,27 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     size and duration, split evenly among the devices), so the two MFUs share one definition. It is
     measured on each run, so on a busy machine it moves between runs; `--peak_tflops` pins it.
     Memory: physical RAM split evenly. Links: simulated collectives are memory copies, so both
-    domains get the measured copy bandwidth split among the devices.
+    domains get the measured copy bandwidth split among the devices, and each collective pays the
+    measured rendezvous of the devices' threads (`collective_latency_probe`). Matmuls with few rows per
+    device run below the peak: `matmul_rows_probe` measures the fraction at 64 to 1024 rows. Each step of
+    a RingAttention loop costs about a millisecond of bookkeeping whatever its size (`ring_step_probe`).
     """
     from meshlm.flops import matmul_probe
 
     probe = matmul_probe(dtype, size=1024, seconds=1.0)
     peak = probe / n_devices
     copy = memcpy_probe() / n_devices
+    latency, over = collective_latency_probe(n_devices)
+    rows = matmul_rows_probe(n_devices, dtype, probe)
+    ring_step = ring_step_probe(n_devices, latency)
+    latency_note = f"{latency * 1e6:.0f} µs per collective and {ring_step * 1e3:.2f} ms per ring step over {over} devices"
+    if over < n_devices:
+        latency_note += f" (JAX started with {over} of the {n_devices}: a fresh process with --devices={n_devices} measures all)"
     return Hardware("cpu", peak, peak, host_memory_bytes() / n_devices, copy, copy, copy,
                     fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
-                    source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy), split over {n_devices} devices",
+                    source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy, {latency_note}), "
+                           f"split over {n_devices} devices",
+                    collective_latency=latency, matmul_rows=rows, ring_step_s=ring_step,
                     peak_source=f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {n_devices} "
                                 "devices, as meshlm train measures its MFU peak (re-measured each run: it moves with "
                                 "the machine's load; --peak_tflops pins it for both)")

@@ -319,7 +319,11 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     x = cost.notation(axes.STREAM, DEFAULT.activations, shape)
     rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
                         f" of {job.batch_size // s.microbatches} rows, ring over pp)", 0.0)
-    return cost.rated_operators(rows, job, shape, hw, collectives)
+    fwd, bwd = clock_counts(s)
+    # Attention's ring loops: once per forward clock; the recomputed forward and the backward (and the
+    # stage's remat policy once more) per backward clock.
+    loops = stage_shape(job, shape).layers * (fwd + (2 + (job.cfg.remat != "none")) * bwd)
+    return cost.rated_operators(rows, job, shape, hw, collectives, ring_loops=loops)
 
 
 def elementwise_bytes(job: Job, shape: MeshShape) -> float:

@@ -1,0 +1,60 @@
+"""The CPU's measured costs beyond peak and bandwidth: a rendezvous per collective, and matmuls with few
+rows per device below the peak; the step-time model charges both, and only where they were measured."""
+
+from dataclasses import replace
+
+import pytest
+
+from meshlm.mesh import MeshShape
+from meshlm.models.configs import PRESETS
+from meshlm.plan import cost, estimate, search
+from meshlm.plan.hardware import CATALOG, collective_latency_probe, matmul_rows_probe
+from meshlm.plan.job import Job
+
+JOB = Job(PRESETS["test"].replace(dtype="float32"), 8, 32, 8)
+
+
+def test_matmul_efficiency_interpolates_in_log_rows_and_holds_flat_outside():
+    hw = replace(CATALOG["h100"], matmul_rows=((64, 0.5), (256, 0.9)))
+    assert hw.matmul_efficiency(32) == 0.5
+    assert hw.matmul_efficiency(64) == 0.5
+    assert hw.matmul_efficiency(128) == pytest.approx(0.7)  # halfway in log2 between 64 and 256
+    assert hw.matmul_efficiency(4096) == 0.9
+    assert CATALOG["h100"].matmul_efficiency(1) == 1.0  # nothing measured: the peak
+
+
+def test_probes_measure_simulated_devices():
+    latency, over = collective_latency_probe(8, chain=4, repeats=3)
+    assert over == 8 and 0 < latency < 0.05
+    assert collective_latency_probe(1) == (0.0, 1)
+    rows = matmul_rows_probe(8, "float32", peak=1e18, rows=(16, 256), width=128, repeats=2)
+    assert [r for r, _ in rows] == [16, 256]
+    assert all(0 < e < 1e-3 for _, e in rows)  # a real rate against an unreachable peak
+
+
+def test_step_time_charges_latency_per_collective_and_row_efficiency_per_matmul():
+    shape = MeshShape(1, 4, 2, 1)
+    base = replace(CATALOG["h100"], name="cpu")  # a CPU-like entry: nothing overlaps
+    plain = search.evaluate(JOB, shape, base)
+    slow = search.evaluate(JOB, shape, replace(base, collective_latency=1e-3))
+    count = sum(c.count for c in plain.collectives)
+    assert count > 0
+    assert slow.time.comm_s - plain.time.comm_s == pytest.approx(count * 1e-3)
+    assert slow.time.step_s - plain.time.step_s == pytest.approx(count * 1e-3)
+
+    half = search.evaluate(JOB, shape, replace(base, matmul_rows=((1, 0.5),)))
+    by_name = {op.name: op for op in plain.operators}
+    for op in half.operators:
+        factor = 2.0 if op.name in cost.ROW_MATMULS else 1.0
+        assert op.compute_s == pytest.approx(by_name[op.name].compute_s * factor), op.name
+    assert half.time.step_s > plain.time.step_s
+
+
+def test_fewer_rows_per_device_cost_more_where_the_probe_says_so():
+    """Same FLOPs per device, fewer rows: with a measured fall-off the mesh that splits rows more is slower."""
+    hw = replace(CATALOG["h100"], name="cpu", matmul_rows=((64, 0.5), (512, 1.0)))
+    rows_split = estimate.operators(JOB, MeshShape(1, 8, 1, 1), hw, [])  # 32 tokens per device
+    cols_split = estimate.operators(JOB, MeshShape(1, 2, 4, 1), hw, [])  # 128 tokens per device
+    mlp = {name: {op.name: op for op in ops}["mlp.in"] for name, ops in (("rows", rows_split), ("cols", cols_split))}
+    assert mlp["rows"].flops == pytest.approx(mlp["cols"].flops)
+    assert mlp["rows"].compute_s > mlp["cols"].compute_s
