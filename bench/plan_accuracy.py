@@ -90,7 +90,8 @@ def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = No
     print(f"\n2. ranking: --model={model} --batch_size={batch} --seq_len={seq}, float32, 8 simulated CPU devices; "
           f"{len(plans)} candidate meshes")
     print(f"   probe: {hw.peak_fp32 * 8 / 1e9:.1f} GFLOP/s matmul, {hw.fast_bandwidth * 8 / 1e9:.1f} GB/s copy (whole machine), "
-          f"{hw.collective_latency * 1e6:.0f} µs per collective; matmul efficiency by rows per device: "
+          f"{hw.collective_latency * 1e6:.0f} µs per collective, {hw.ring_step_s * 1e3:.2f} ms per ring step; "
+          "matmul efficiency by rows per device: "
           + ", ".join(f"{r}: {e:.2f}" for r, e in hw.matmul_rows))
     optimizer = make_optimizer(OptimizerConfig())
     host = synthetic_batch(cfg, batch, seq)
@@ -141,7 +142,8 @@ def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = No
                      serial_collectives=sum(c.count for c in r["plan"].collectives if not c.overlappable),
                      measured_s=r["measured"], best_s=r["best"], times=r["times"]) for r in runs]
         Path(save).write_text(json.dumps(dict(model=model, batch_size=batch, seq_len=seq, hardware=dict(
-            peak=hw.peak_fp32, copy=hw.fast_bandwidth, latency=hw.collective_latency), plans=rows), indent=1))
+            peak=hw.peak_fp32, copy=hw.fast_bandwidth, latency=hw.collective_latency, ring_step=hw.ring_step_s,
+            matmul_rows=hw.matmul_rows), plans=rows), indent=1))
         print(f"   saved to {save}")
 
 
