@@ -12,9 +12,12 @@ step of every candidate mesh is run and timed. The timed steps go round-robin ov
 (one step of each mesh per round), so all see the same load from other jobs on this shared
 machine; each mesh's time is its median (and, less sensitive to other jobs' bursts, its best).
 Prints each mesh's measured time as a ratio to the fastest measured in this run, whether the mesh
-`plan` ranks first is within 10% of it, and the rank correlation of predicted and measured times.
+`plan` ranks first is within 10% of it and of the fastest among the plan's top 5, and the rank
+correlation of predicted and measured times. --save F.json keeps each mesh's predicted and measured
+times, its collective count and the probes' figures, to check a change to the model against them.
 
-Usage: python bench/plan_accuracy.py [--model tiny] [--batch_size 8] [--seq_len 128] [--rounds 5] [--skip_grid]
+Usage: python bench/plan_accuracy.py [--model tiny] [--batch_size 8] [--seq_len 128] [--rounds 7] [--skip_grid]
+       [--save F.json]
 (a few minutes on 2 cores: 12 + ~19 compiles and the timed steps)
 """
 
