@@ -12,9 +12,15 @@ JOB = ["plan", "--model=test", "--devices=8", "--batch_size=8", "--seq_len=32", 
 
 @pytest.fixture
 def fixed_probe(monkeypatch):
-    """Both peaks from one fake probe that records how it was asked."""
+    """Both peaks from one fake probe that records how it was asked; the plan's other CPU probes
+    (tested in test_cpu_probes.py) give fixed figures."""
     from meshlm import flops
+    from meshlm.plan import hardware
     from meshlm.train import metrics
+
+    monkeypatch.setattr(hardware, "collective_latency_probe", lambda n: (1e-4, n))
+    monkeypatch.setattr(hardware, "matmul_rows_probe", lambda n, dtype, peak: ((64, 0.6), (1024, 0.9)))
+    monkeypatch.setattr(hardware, "ring_step_probe", lambda n, latency: 1e-3)
 
     calls = []
 
@@ -83,3 +89,9 @@ def test_chart_shows_the_bars_and_keeps_legends_off_them(fixed_probe, tmp_path):
         legend = ax.get_legend().get_window_extent(renderer)
         assert not legend.overlaps(ax.get_window_extent(renderer))
     assert report.write_png(tmp_path / "p.png", job, hw, plans, 5).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_plan_says_what_its_probes_measured(capsys, fixed_probe):
+    assert main(JOB) == 0
+    source = json.loads(capsys.readouterr().out)["hardware"]["source"]
+    assert "100 µs per collective and 1.00 ms per ring step over 8 devices" in source
