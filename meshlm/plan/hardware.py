@@ -164,7 +164,7 @@ def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
 
 def collective_latency_probe(n_devices: int, chain: int = 16, repeats: int = 15) -> tuple[float, int]:
     """(seconds, devices): what one collective costs on this machine's simulated CPU devices beyond its
-    bytes, and over how many devices it was measured (the first `n_devices` JAX has; 0 s for one).
+    bytes, and over how many devices it was measured (the first `n_devices` of this process; 0 s for one).
 
     Every collective of simulated devices is a rendezvous of all their threads, however few bytes it
     moves. The probe times a jitted chain of `chain` dependent all-reduces of a few bytes against a chain
@@ -173,7 +173,7 @@ def collective_latency_probe(n_devices: int, chain: int = 16, repeats: int = 15)
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec
 
-    devices = jax.devices("cpu")[:n_devices]
+    devices = jax.local_devices(backend="cpu")[:n_devices]
     if len(devices) < 2:
         return 0.0, len(devices)
     mesh = Mesh(np.array(devices), ("x",))
@@ -208,7 +208,7 @@ def matmul_rows_probe(n_devices: int, dtype: str, peak: float, rows: tuple[int, 
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    devices = jax.devices("cpu")[:n_devices]
+    devices = jax.local_devices(backend="cpu")[:n_devices]
     mesh = Mesh(np.array(devices), ("x",))
     split = NamedSharding(mesh, PartitionSpec("x"))
     w = jax.device_put(jnp.full((len(devices) * width, width), 1.0 / width, dtype), split)
@@ -240,7 +240,7 @@ def ring_step_probe(n_devices: int, latency: float, local_len: int = 16, repeats
 
     from meshlm.ops.ring import ring_attention
 
-    devices = jax.devices("cpu")[:n_devices]
+    devices = jax.local_devices(backend="cpu")[:n_devices]
     sp = len(devices)
     if sp < 2:
         return 0.0
@@ -285,7 +285,7 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     ring_step = ring_step_probe(n_devices, latency)
     latency_note = f"{latency * 1e6:.0f} µs per collective and {ring_step * 1e3:.2f} ms per ring step over {over} devices"
     if over < n_devices:
-        latency_note += f" (JAX started with {over} of the {n_devices}: a fresh process with --devices={n_devices} measures all)"
+        latency_note += f" (the {over} of the {n_devices} this process has)"
     return Hardware("cpu", peak, peak, host_memory_bytes() / n_devices, copy, copy, copy,
                     fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
                     source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy, {latency_note}), "

@@ -58,3 +58,13 @@ def test_fewer_rows_per_device_cost_more_where_the_probe_says_so():
     mlp = {name: {op.name: op for op in ops}["mlp.in"] for name, ops in (("rows", rows_split), ("cols", cols_split))}
     assert mlp["rows"].flops == pytest.approx(mlp["cols"].flops)
     assert mlp["rows"].compute_s > mlp["cols"].compute_s
+
+
+def test_more_devices_than_the_process_has_are_probed_on_those_it_has_and_said_so(monkeypatch):
+    from meshlm import flops
+    from meshlm.plan import hardware
+
+    monkeypatch.setattr(flops, "matmul_probe", lambda *a, **k: 80e9)
+    hw = hardware.cpu_hardware(16, "float32")  # the tests' process has 8 simulated devices
+    assert "over 8 devices (the 8 of the 16 this process has)" in hw.source
+    assert hw.collective_latency > 0 and hw.ring_step_s >= 0 and len(hw.matmul_rows) == 5
