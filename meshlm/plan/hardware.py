@@ -148,18 +148,24 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def best_seconds(call, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of `call()` (the probes' measure: the closest to what the
+    machine can do when other jobs leave it alone)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def memcpy_probe(n_bytes: int = 64 << 20, repeats: int = 5) -> float:
     """Measured bytes/s of one large in-memory copy (the best of a few), what simulated collectives do."""
     import numpy as np
 
     src = np.ones(n_bytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best
+    return n_bytes / best_seconds(lambda: np.copyto(dst, src), repeats)
 
 
 def collective_latency_probe(n_devices: int, chain: int = 16, repeats: int = 15) -> tuple[float, int]:
@@ -187,12 +193,7 @@ def collective_latency_probe(n_devices: int, chain: int = 16, repeats: int = 15)
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x")))
         f(x).block_until_ready()  # compile + warm up
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f(x).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return best_seconds(lambda: f(x).block_until_ready(), repeats)
 
     return max(0.0, (timed(chain + 1) - timed(1)) / chain), len(devices)
 
@@ -255,11 +256,7 @@ def ring_step_probe(n_devices: int, latency: float, local_len: int = 16, repeats
 
     f = jax.jit(jax.grad(total, argnums=(0, 1, 2)))
     jax.block_until_ready(f(x, x, x))  # compile + warm up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x, x, x))
-        best = min(best, time.perf_counter() - t0)
+    best = best_seconds(lambda: jax.block_until_ready(f(x, x, x)), repeats)
     return max(0.0, best / (2 * sp) - latency)  # a forward and a backward loop of sp steps each
 
 
