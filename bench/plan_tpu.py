@@ -37,7 +37,7 @@ from meshlm.plan.job import Job  # noqa: E402
 
 DEVICES = 4
 # (batch, seq_len) per model: each compile at most about 2 minutes here.
-SHAPES = {"tiny": (8, 512), "1b": (4, 1024), "llama2-7b": (4, 1024)}
+SHAPES = {"tiny": (8, 512), "small": (4, 1024), "1b": (4, 1024), "llama2-7b": (4, 1024)}
 MESHES = {"fsdp": "1,4,1,1", "fsdp×tp": "1,2,2,1", "dp×fsdp": "2,2,1,1", "tp": "1,1,4,1", "fsdp×sp": "1,2,1,2"}
 MEMORY_TOLERANCE, COLLECTIVE_TOLERANCE = 10.0, 15.0
 # The cases `--fit` fits `meshlm.plan.memory.PLACES[tpu-*]` to: other shapes, sizes and remat policies than
@@ -118,37 +118,41 @@ def fit_rows(hardware: str, cache: Path | None, fresh: bool) -> list[tuple[dict,
     return rows
 
 
-# What `--fit` keeps fixed: XLA:CPU's forward place with the tables at half (XLA:TPU gathers them in
-# bfloat16) and the weights cast once for all layers when no gather happens inside the loop.
-FIT_FORWARD = {**memory.PLACES["cpu"]["forward"], "tables": 2.0, "cast_params": 1.0}
-FIT_BACKWARD_START = {**memory.PLACES["cpu"]["backward"], "layer": 1.0, "scores": 1.0, "cast_params": 1.0}
+# Where `--fit` starts: XLA:CPU's places with the tables at half in the forward place (XLA:TPU gathers them
+# in bfloat16) and the device's parameters cast once to the compute dtype before the layer loop.
+FIT_START = {"forward": {**memory.PLACES["cpu"]["forward"], "tables": 2.0, "cast_params": 1.0},
+             "backward": {**memory.PLACES["cpu"]["backward"], "layer": 1.0, "scores": 1.0, "cast_params": 1.0}}
+
+
+def peak_of(places: dict, exact: dict, sizes: dict) -> float:
+    """Predicted peak: state + batch + the larger place."""
+    return (exact["params"] + exact["optimizer"] + exact["batch"]
+            + max(sum(c * sizes[t] for t, c in place.items()) for place in places.values()))
 
 
 def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
-    """`PLACES` coefficients for these compiled cases: the forward place is FIT_FORWARD; the backward
-    place's coefficients give the smallest worst relative error of the peak (params + optimizer +
-    batch + the larger place), found by bisection on the error, each step a linear feasibility
-    problem (a case whose forward place is within the error needs no lower bound from the backward
-    place); among those within 0.5% of the best, the coefficients nearest FIT_BACKWARD_START
-    (relative), so that a term the cases say little about keeps its start value. Returns (places, worst)."""
+    """`PLACES` coefficients for these compiled cases: the smallest worst relative error of the peak
+    (params + optimizer + batch + the larger place), found by bisection on the error, each step a linear
+    feasibility problem. Every case bounds both places from above; from below it bounds the place that
+    holds its peak under the coefficients so far (three rounds, starting from FIT_START). Among the
+    coefficients within 0.3% of the best, the ones nearest FIT_START (relative), so that a term the
+    cases say little about keeps its start value. Returns (places, worst)."""
     import numpy as np
     from scipy.optimize import linprog
 
-    free = [t for t in FIT_BACKWARD_START if any(sizes[t] for _, sizes, _ in rows)]
-    start = [max(FIT_BACKWARD_START[t], 0.05) for t in free]
+    free = [(place, t) for place, terms in FIT_START.items() for t in terms if any(s[t] for _, s, _ in rows)]
+    start = [max(FIT_START[place][t], 0.05) for place, t in free]
     n = len(free)
 
-    def solve(err: float) -> list[float] | None:
+    def solve(err: float, holds: list[str]) -> list[float] | None:
         a_ub, b_ub = [], []
-        for exact, sizes, peak in rows:
+        for (exact, sizes, peak), held in zip(rows, holds):
             base = exact["params"] + exact["optimizer"] + exact["batch"]
-            forward = base + sum(c * sizes[t] for t, c in FIT_FORWARD.items())
-            if forward > (1 + err) * peak:
-                return None
-            row = [sizes[t] / 1e9 for t in free]
-            a_ub.append(row + [0.0] * n); b_ub.append(((1 + err) * peak - base) / 1e9)
-            if forward < (1 - err) * peak:
-                a_ub.append([-x for x in row] + [0.0] * n); b_ub.append((base - (1 - err) * peak) / 1e9)
+            for place in FIT_START:
+                row = [sizes[t] / 1e9 if p == place else 0.0 for p, t in free]
+                a_ub.append(row + [0.0] * n); b_ub.append(((1 + err) * peak - base) / 1e9)
+                if place == held:
+                    a_ub.append([-x for x in row] + [0.0] * n); b_ub.append((base - (1 - err) * peak) / 1e9)
         for i in range(n):  # d_i >= |c_i - start_i|
             up, down = [0.0] * (2 * n), [0.0] * (2 * n)
             up[i], up[n + i], down[i], down[n + i] = 1.0, -1.0, -1.0, -1.0
@@ -157,19 +161,29 @@ def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
                       bounds=[(0, None)] * (2 * n))
         return list(res.x[:n]) if res.success else None
 
-    lo, hi = 0.0, 1.0
-    if solve(hi) is None:
-        raise SystemExit("no backward coefficients bring every case within 100%: the forward place alone is too high")
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if solve(mid) is not None else (mid, hi)
-    found = solve(hi + 0.005)
-    backward = {**FIT_BACKWARD_START, **{t: round(float(c), 2) for t, c in zip(free, found)}}
-    places = {"forward": FIT_FORWARD, "backward": backward}
-    worst = max(abs((e["params"] + e["optimizer"] + e["batch"]
-                     + max(sum(c * s[t] for t, c in place.items()) for place in places.values())) / y - 1)
-                for e, s, y in rows)
-    return places, worst
+    def places_of(coeffs: list[float]) -> dict:
+        out = {place: dict(terms) for place, terms in FIT_START.items()}
+        for (place, t), c in zip(free, coeffs):
+            out[place][t] = round(float(c), 2)
+        return out
+
+    def worst_of(places: dict) -> float:
+        return max(abs(peak_of(places, e, s) / y - 1) for e, s, y in rows)
+
+    places = FIT_START
+    for _ in range(3):
+        holds = [max(FIT_START, key=lambda p: sum(c * s[t] for t, c in places[p].items())) for _, s, _ in rows]
+        lo, hi = 0.0, 1.0
+        if solve(hi, holds) is None:
+            raise SystemExit("no coefficients bring every case within 100% of its compiled peak")
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if solve(mid, holds) is not None else (mid, hi)
+        found = places_of(solve(hi + 0.003, holds))
+        if places is not FIT_START and worst_of(found) >= worst_of(places):
+            break
+        places = found
+    return places, worst_of(places)
 
 
 def print_row(r: dict) -> None:

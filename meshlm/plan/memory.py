@@ -61,35 +61,32 @@ from meshlm.plan.state_bytes import state_bytes
 #   gradients   the gradients (1.0: all of them live)
 #   activations the saved activations (1.0: all of them live)
 #   scores      with sp: one ring step's float32 attention scores [rows, Hl, T/sp, T/sp]
-#   cast_params without fsdp or sp: all of this device's parameters in the compute dtype (the cast is
-#               hoisted out of the layer loop when no gather happens inside it)
-# XLA:TPU v5p ("tpu-v5p"): the forward place is XLA:CPU's with the tables at half (XLA:TPU gathers them
-# in bfloat16, docs/plan.md) and the hoisted cast; the backward place is fitted by
-# `python bench/plan_tpu.py --fit` to 25 v5p compiles (5 shapes × the 5 meshes of the table, none of
-# them the table's cases). Other TPU generations, GPUs and pipelines keep XLA:CPU's: v5e's compiled
-# peak of a small model is not a linear function of these sizes (docs/plan.md, "Accuracy on TPU").
+#   cast_params this device's parameters (its fsdp shard) in the compute dtype: XLA:TPU casts all of them
+#               once, before the layer loop, and gathers the cast shard inside it
+# XLA:TPU ("tpu", every TPU generation): both places are fitted by `python bench/plan_tpu.py --fit` to 25
+# v5p compiles (5 shapes × the 5 meshes of the table, none of them the table's cases), starting from
+# XLA:CPU's with the tables at half (XLA:TPU gathers them in bfloat16, docs/plan.md) and the hoisted cast.
+# v5e and v6e compile the same program with the same buffers; from the same sizes they keep less of a
+# small program's temporaries in HBM (docs/plan.md, "Accuracy on TPU"). GPUs and pipelines keep XLA:CPU's.
 PLACES = {
     "cpu": {
         "forward": {"tables": 3.98, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10, "activations": 0.51},
         "backward": {"logits": 1.53, "stream": 11.71, "weights": 3.28, "accum": 2.06, "gradients": 0.39,
                      "activations": 1.10},
     },
-    "tpu-v5p": {
-        "forward": {"tables": 2.0, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10, "activations": 0.51,
+    "tpu": {
+        "forward": {"tables": 2.0, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 0.95, "activations": 0.51,
                     "cast_params": 1.0},
-        "backward": {"logits": 0.64, "stream": 6.8, "layer": 1.0, "weights": 3.28, "accum": 2.06, "gradients": 0.22,
-                     "activations": 2.0, "scores": 4.42, "cast_params": 1.0},
+        "backward": {"logits": 0.58, "stream": 8.41, "layer": 1.0, "weights": 3.28, "accum": 2.06, "gradients": 0.22,
+                     "activations": 2.03, "scores": 4.55, "cast_params": 0.0},
     },
 }
 
 
 def compiler_for(hardware: str) -> str:
     """The `PLACES` entry for a hardware catalog name (`tpu-v5p`) or a JAX device kind (`TPU v5 lite`):
-    the compiler whose buffer assignment was fitted. Hardware without its own entry (GPUs, other TPU
-    generations) gets XLA:CPU's."""
-    name = hardware.strip().lower()
-    name = {"tpu v5p": "tpu-v5p", "tpu v5": "tpu-v5p"}.get(name, name)  # device kinds of the fitted chips
-    return name if name in PLACES else "cpu"
+    the compiler whose buffer assignment was fitted. TPUs get XLA:TPU's; GPUs get XLA:CPU's."""
+    return "tpu" if hardware.strip().lower().startswith("tpu") else "cpu"
 
 
 BATCH_FIELDS = 5  # inputs, targets, positions, segment_ids, loss_mask: 4 bytes per token each
@@ -153,7 +150,7 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
         "gradients": grads,
         "activations": activations,
         "scores": loc.rows * loc.heads * loc.length ** 2 * 4 if shape.sp > 1 else 0,
-        "cast_params": exact["params"] * a // p if not fsdp else 0,
+        "cast_params": exact["params"] * a // p,
     }
     return exact, sizes
 
