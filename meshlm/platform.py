@@ -205,6 +205,30 @@ def detect_backend(environ=None) -> str:
     return "cpu"
 
 
+def skip_absent_tpu(environ=None) -> str | None:
+    """On a machine without TPU chips but with libtpu installed (to compile for TPU topologies ahead of
+    time), JAX would still start libtpu at its first device query, and libtpu prints five lines of
+    warnings about accelerator types and worker hostnames before JAX falls back. Name the platforms JAX
+    may start instead (`cuda,cpu` where a CUDA plugin and an NVIDIA device are present, else `cpu`);
+    compiling for a TPU topology (`meshlm plan --verify`) does not need the TPU backend started. Leaves
+    `JAX_PLATFORMS` the user set, and a JAX that already runs, alone. Returns what it set, or None."""
+    environ = os.environ if environ is None else environ
+    if environ.get("JAX_PLATFORMS", "").strip() or _started_backend():
+        return None
+    jax = sys.modules.get("jax")
+    if jax is not None and (jax.config.jax_platforms or "").strip():
+        return None
+    if importlib.util.find_spec("libtpu") is None or _tpu_chips() > 0:
+        return None
+    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and _nvidia_device()
+    platforms = "cuda,cpu" if cuda else "cpu"
+    environ["JAX_PLATFORMS"] = platforms
+    jax = sys.modules.get("jax")  # imported now if not before (_tpu_chips uses JAX's PCI scan)
+    if jax is not None:  # imported but not started: JAX read the variable at import, so tell its config too
+        jax.config.update("jax_platforms", platforms)
+    return platforms
+
+
 # ------------------------------------------------------------------------------------ runtime settings
 
 def xla_flag_preset(backend: str) -> dict[str, str]:

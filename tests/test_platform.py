@@ -33,6 +33,28 @@ def test_backend_is_known_before_jax_starts(platforms, backend):
     assert P.detect_backend({"JAX_PLATFORMS": platforms}) == backend
 
 
+def test_libtpu_without_tpu_chips_starts_quietly_on_the_cpu():
+    # The test extra installs libtpu (to compile for TPU topologies); this machine has no TPU chips.
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: nothing would start it")
+    got = python("""
+        import os, sys
+        from meshlm import platform
+        set_to = platform.skip_absent_tpu()
+        import jax
+        print(set_to, jax.devices()[0].platform, os.environ["JAX_PLATFORMS"])
+        assert platform.skip_absent_tpu() is None  # JAX_PLATFORMS is set now: left alone
+    """, JAX_PLATFORMS="")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["cpu", "cpu", "cpu"]
+    assert "TPU_ACCELERATOR_TYPE" not in got.stderr and "TPU_WORKER_HOSTNAMES" not in got.stderr, got.stderr
+
+
+def test_platforms_the_user_named_are_kept():
+    env = {"JAX_PLATFORMS": "tpu,cpu"}
+    assert P.skip_absent_tpu(env) is None and env == {"JAX_PLATFORMS": "tpu,cpu"}
+
+
 def test_presets_per_backend():
     assert P.xla_flag_preset("cpu") == {}
     gpu, tpu = P.xla_flag_preset("cuda")["XLA_FLAGS"].split(), P.xla_flag_preset("tpu")["LIBTPU_INIT_ARGS"].split()

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}{hint}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[command]
+    from meshlm.platform import skip_absent_tpu
+
+    skip_absent_tpu()  # before any command starts JAX
     try:
         return getattr(importlib.import_module(f"meshlm.cli.{module}"), function)(rest)
     except UsageError as e:
