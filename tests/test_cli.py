@@ -108,14 +108,16 @@ def test_train_end_to_end_on_a_mixed_mesh(tmp_path):
     assert "--mesh_dim=2,2,2,1" in result.stdout
 
 
-def test_mp_mesh_dim_prints_the_equivalent_mesh_dim(tmp_path):
-    result = meshlm(
-        "train", "--devices=8", "--mp_mesh_dim=2,1", "--fsdp", "--model=test", "--model.n_layers=1",
-        "--dataset=synthetic", "--steps=1", "--batch_size=8", "--seq_len=32", f"--output_dir={tmp_path}",
-        "--peak_tflops=1",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "--mp_mesh_dim=2,1 --fsdp is --mesh_dim=1,4,2,1" in result.stdout
+def test_mp_mesh_dim_prints_the_equivalent_mesh_dim(tmp_path, capsys):
+    """In this process (8 simulated devices already): a fresh one is test_train_end_to_end_on_a_mixed_mesh's."""
+    from meshlm.cli import main
+
+    code = main(["train", "--devices=8", "--mp_mesh_dim=2,1", "--fsdp", "--model=test", "--model.n_layers=1",
+                 "--dataset=synthetic", "--steps=1", "--batch_size=8", "--seq_len=32", f"--output_dir={tmp_path}",
+                 "--peak_tflops=1"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "--mp_mesh_dim=2,1 --fsdp is --mesh_dim=1,4,2,1" in out
 
 
 def test_explain_takes_every_train_flag(capsys):
@@ -134,13 +136,18 @@ def test_explain_takes_every_train_flag(capsys):
 
 
 @pytest.mark.slow
-def test_train_with_a_preset_and_zero_stage_then_resume(tmp_path):
+def test_train_with_a_preset_and_zero_stage_then_resume(tmp_path, capsys):
+    """In this process, as test_mp_mesh_dim_prints_the_equivalent_mesh_dim."""
+    from meshlm.cli import main
+
     args = ["train", "--devices=8", "--mesh_dim=2,1,4,1", "--strategy=fsdp_tp", "--zero_stage=2", "--model=test",
             "--dataset=synthetic", "--batch_size=8", "--seq_len=32", "--log_every=1", f"--output_dir={tmp_path}",
             "--peak_tflops=1"]
-    first = meshlm(*args, "--steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "strategy: fsdp_tp+zero2" in first.stdout
-    second = meshlm(*args, "--steps=3")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and "step      3" in second.stdout
+    code = main([*args, "--steps=2"])
+    first = capsys.readouterr().out
+    assert code == 0, first[-3000:]
+    assert "strategy: fsdp_tp+zero2" in first
+    code = main([*args, "--steps=3"])
+    second = capsys.readouterr().out
+    assert code == 0, second[-3000:]
+    assert "resumed from" in second and "step      3" in second

@@ -6,6 +6,7 @@ same job in this test process on 8 simulated devices.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,39 +174,69 @@ def test_a_usage_error_stops_every_process_with_its_line(capsys):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """1 process × 8 devices, 4 steps, for both meshes."""
-    return {m: single(tmp_path_factory.mktemp("ref"), mesh_dim=m, steps=4) for m in ("2,2,2,1", "1,4,1,2")}
+def single_runs(tmp_path_factory):
+    """1 process × 8 devices, 4 steps, for both meshes: {mesh_dim: run folder}. They also save at step 2,
+    the checkpoint that two processes resume in test_checkpoint_moves_between_two_processes_and_one."""
+    runs = {m: tmp_path_factory.mktemp("ref") for m in ("2,2,2,1", "1,4,1,2")}
+    for m, out in runs.items():
+        single(out, mesh_dim=m, steps=4, save_every=2)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference(single_runs):
+    return {m: losses(out) for m, out in single_runs.items()}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """`meshlm train` in 2 processes × 4 devices, 4 steps saving at step 2, once per mesh: {mesh_dim: run folder}."""
+    runs = {}
+
+    def get(mesh_dim):
+        if mesh_dim not in runs:
+            out = tmp_path_factory.mktemp("two") / "run"
+            wait_all(launch(2, [f"--mesh_dim={mesh_dim}", "--steps=4", "--save_every=2"], out), out)
+            runs[mesh_dim] = out
+        return runs[mesh_dim]
+
+    return get
+
+
+def resume_from_step_2(run: Path, out: Path) -> Path:
+    """A fresh run folder holding only `run`'s checkpoint of step 2."""
+    shutil.copytree(run / "checkpoints" / "2", out / "checkpoints" / "2")
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_dim", ["2,2,2,1", "1,4,1,2"])
-def test_two_processes_match_one(reference, tmp_path, mesh_dim):
-    out = tmp_path / "run"
-    procs = launch(2, [f"--mesh_dim={mesh_dim}", "--steps=4"], out)
-    wait_all(procs, out)
+def test_two_processes_match_one(reference, two_process_runs, mesh_dim):
+    out = two_process_runs(mesh_dim)
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in range(1, 5)], [reference[mesh_dim][s] for s in range(1, 5)], rtol=1e-5)
-    log0 = (tmp_path / "run.p0.log").read_text()
+    log0 = (out.parent / "run.p0.log").read_text()
     dcn = {"2,2,2,1": "2,1,1,1", "1,4,1,2": "1,2,1,1"}[mesh_dim]  # hosts over dp, else fsdp
     assert "2 processes × 4 devices" in log0 and f"--dcn_mesh_dim={dcn}" in log0
-    assert "step" not in (tmp_path / "run.p1.log").read_text().lower()  # logs come from process 0 only
+    assert "step" not in (out.parent / "run.p1.log").read_text().lower()  # logs come from process 0 only
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_two_processes_and_one(reference, tmp_path):
+def test_checkpoint_moves_between_two_processes_and_one(reference, single_runs, two_process_runs, tmp_path):
+    """Step 2's checkpoint of a 2-process run resumed by 1 process, and of a 1-process run by 2, continue
+    with the losses of the run that never stopped."""
     want = reference["2,2,2,1"]
     # saved by 2 processes, resumed by 1
-    out = tmp_path / "a"
-    wait_all(launch(2, ["--mesh_dim=2,2,2,1", "--steps=2"], out), out)
+    out = resume_from_step_2(two_process_runs("2,2,2,1"), tmp_path / "a")
     got = single(out, mesh_dim="2,2,2,1", steps=4)
+    assert sorted(got) == [3, 4]  # it did resume at step 3
     np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)], rtol=1e-5)
     # saved by 1, resumed by 2
-    out = tmp_path / "b"
-    single(out, mesh_dim="2,2,2,1", steps=2)
+    out = resume_from_step_2(single_runs["2,2,2,1"], tmp_path / "b")
     wait_all(launch(2, ["--mesh_dim=2,2,2,1", "--steps=4"], out), out)
     got = losses(out)
+    assert sorted(got) == [3, 4]
     np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)], rtol=1e-5)
 
 

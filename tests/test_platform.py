@@ -146,12 +146,13 @@ def test_compilation_cache_is_shared_by_fresh_processes(tmp_path):
 def test_a_cache_folder_the_user_named_is_kept(tmp_path):
     import jax
 
+    before = jax.config.jax_compilation_cache_dir  # the test session's own (tests/conftest.py)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))  # as JAX_COMPILATION_CACHE_DIR does
     try:
         assert P.enable_compilation_cache({"MESHLM_CACHE": str(tmp_path)}) == str(tmp_path / "theirs")
         assert not (tmp_path / "jax").exists()
     finally:
-        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_compilation_cache_dir", before)
 
 
 def test_compilation_cache_folder_and_switch(tmp_path):

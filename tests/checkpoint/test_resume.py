@@ -57,27 +57,39 @@ def uninterrupted(tmp_path_factory):
     return out, losses(out)
 
 
-def test_resume_is_bit_identical(uninterrupted, tmp_path):
-    _, want = uninterrupted
-    interrupt_after(tmp_path, 2).join(timeout=0)
-    first = train(config(tmp_path))
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A run on the uninterrupted run's mesh stopped by SIGTERM after its second step: its folder, which
+    each test below copies and resumes in its own way."""
+    out = tmp_path_factory.mktemp("interrupted")
+    interrupt_after(out, 2).join(timeout=0)
+    first = train(config(out))
     assert first["interrupted"] == "SIGTERM" and first["checkpoint_step"] < STEPS
-    stopped_at = first["checkpoint_step"]
-    assert Checkpointer(tmp_path / "checkpoints").latest_step() == stopped_at
-    second = train(config(tmp_path))
+    assert Checkpointer(out / "checkpoints").latest_step() == first["checkpoint_step"]
+    return out
+
+
+def resumable(interrupted, tmp_path):
+    import shutil
+
+    return shutil.copytree(interrupted, tmp_path / "run")
+
+
+def test_resume_is_bit_identical(uninterrupted, interrupted, tmp_path):
+    _, want = uninterrupted
+    out = resumable(interrupted, tmp_path)
+    second = train(config(out))
     assert second["interrupted"] is None
-    got = losses(tmp_path)
+    got = losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]  # bit-identical
 
 
-def test_restore_onto_a_different_mesh(uninterrupted, tmp_path):
+def test_restore_onto_a_different_mesh(uninterrupted, interrupted, tmp_path):
     _, want = uninterrupted
-    interrupt_after(tmp_path, 2)
-    first = train(config(tmp_path))
-    assert first["interrupted"] == "SIGTERM"
-    train(config(tmp_path, mesh_dim="2,1,4,1"))  # resumes and reshards straight into the new layout
-    got = losses(tmp_path)
+    out = resumable(interrupted, tmp_path)
+    train(config(out, mesh_dim="2,1,4,1"))  # resumes and reshards straight into the new layout
+    got = losses(out)
     np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], [want[s] for s in range(1, STEPS + 1)], rtol=1e-5)
 
 

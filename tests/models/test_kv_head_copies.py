@@ -17,8 +17,10 @@ MESHES = ["1,1,1,1", "2,1,4,1", "1,2,4,1", "1,1,8,1"]
 
 @pytest.fixture(scope="module")
 def runs():
+    """Every mesh starts from the state made on one device (shared_init): which values a fresh state holds
+    on a mesh is tests/train/test_train_step.py's; here, what a step does with kv heads copied over tp."""
     batches = make_batches(GQA)
-    return {dims: run(dims, cfg=GQA, batches=batches) for dims in MESHES}
+    return {dims: run(dims, cfg=GQA, batches=batches, shared_init=True) for dims in MESHES}
 
 
 @pytest.mark.parametrize("dims", MESHES[1:])

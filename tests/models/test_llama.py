@@ -116,16 +116,21 @@ def test_llama3_rope_scaling_bands():
     assert mid.any() and np.all(scaled[mid] < base[mid]) and np.all(scaled[mid] > base[mid] / s.factor)
 
 
-@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
-def test_remat_policies_change_memory_not_math(model, policy):
-    placement, params, _ = model
+def remat_loss_and_grads(params, cfg):
+    pl = place(cfg, one_device())
     t = tokens()
+    return jax.jit(jax.value_and_grad(lambda p: jnp.mean(pl.apply(p, t) ** 2)))(params)
 
-    def loss(cfg):
-        pl = place(cfg, one_device())
-        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(pl.apply(p, t) ** 2)))(params)
 
-    (l0, g0), (l1, g1) = loss(CFG), loss(CFG.replace(remat=policy))
+@pytest.fixture(scope="module")
+def without_remat(model):
+    """The loss and gradients of CFG (remat none: every activation kept), compiled once for every policy below."""
+    return remat_loss_and_grads(model[1], CFG)
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+def test_remat_policies_change_memory_not_math(model, without_remat, policy):
+    (l0, g0), (l1, g1) = without_remat, remat_loss_and_grads(model[1], CFG.replace(remat=policy))
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
 

@@ -63,10 +63,10 @@ def test_model_loss_and_gradients_do_not_depend_on_the_chunk(tied):
     cfg = resolve_model("test", {"n_layers": "1", "tie_embeddings": str(tied)}).replace(dtype="float32")
     batch = _batch(cfg)
     mesh = mesh_for("1,1,1,1")
+    params = place(cfg, mesh).init(0)  # the same weights for both: loss_chunk changes no parameter
     results = []
     for chunk in (0, 5):
         placement = place(cfg.replace(loss_chunk=chunk), mesh)
-        params = placement.init(0)
         results.append(jax.jit(jax.value_and_grad(lambda p: loss_sums(placement, p, batch), has_aux=True))(params))
     ((want, count), want_grads), ((got, got_count), grads) = results
     assert float(got_count) == float(count) == batch["loss_mask"].sum()
@@ -89,13 +89,14 @@ def unchunked_reference():
     batch = make_batches(steps=1)[0]
     cfg = resolve_model("test", {"n_kv_heads": "8"}).replace(dtype="float32", loss_chunk=0)
     placement = place(cfg, mesh_for("1,1,1,1"))
-    nll, count, grads = jax.jit(make_loss_grads(placement))(placement.init(0), put_batch(placement, batch))
-    return batch, cfg, float(nll / count), grads
+    params = placement.init(0)
+    nll, count, grads = jax.jit(make_loss_grads(placement))(params, put_batch(placement, batch))
+    return batch, cfg, params, float(nll / count), grads
 
 
 @pytest.mark.parametrize("dims, strategy, zero_stage, pipe", MESH_CASES)
 def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference, dims, strategy, zero_stage, pipe):
-    batch, cfg, want, want_grads = unchunked_reference
+    batch, cfg, params, want, want_grads = unchunked_reference
     cfg = cfg.replace(loss_chunk=5)  # T = 32: 7 chunks of 5 positions, 3 of them padding
     schedule = None
     if pipe is None:
@@ -106,8 +107,8 @@ def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference,
         mesh, schedule = build_mesh(shape, jax.devices()[: shape.n_devices]), build_schedule(name, pp, microbatches)
     placement = place(cfg, mesh, choose(strategy, zero_stage, None)[0])
     perm = sequence_permutation(placement, batch["inputs"].shape[1])
-    nll, count, grads = jax.jit(make_loss_grads(placement, pipeline=schedule))(placement.init(0),
-                                                                               put_batch(placement, batch, perm))
+    params = jax.device_put(params, placement.shardings)  # the reference's weights, laid out on this mesh
+    nll, count, grads = jax.jit(make_loss_grads(placement, pipeline=schedule))(params, put_batch(placement, batch, perm))
     np.testing.assert_allclose(float(nll / count), want, rtol=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6,

@@ -10,7 +10,7 @@ from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
 from meshlm.strategy import choose
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
-from meshlm.train.state import create_train_state
+from meshlm.train.state import create_train_state, state_shardings
 from meshlm.train.step import compile_step, make_train_step, put_batch, sequence_permutation
 
 B, T, STEPS = 8, 32, 3
@@ -43,10 +43,28 @@ def mesh_for(dims: str):
     return build_mesh(shape, jax.devices()[: shape.n_devices])
 
 
-def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None):
+_made_on = {}  # (cfg, opt_cfg, dims) -> the fresh state create_train_state made on that mesh, on the host
+
+
+def fresh_state(placement, optimizer, key):
+    """create_train_state's state (seed 0) on this placement: made on this mesh by its own initialiser the
+    first time `key` is asked for, then put back from a host copy (the same values, one compile fewer)."""
+    if key not in _made_on:
+        state = create_train_state(placement, optimizer, seed=0)
+        _made_on[key] = jax.device_get(state)
+        return state
+    return jax.device_put(_made_on[key], state_shardings(placement, optimizer))
+
+
+def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init=False):
+    """Losses of training from create_train_state's state on `dims`; with `shared_init`, from the state
+    made on one device, laid out for `dims` (see `train`)."""
     placement = place(cfg, mesh_for(dims))
     optimizer = make_optimizer(opt_cfg)
-    state = create_train_state(placement, optimizer, seed=0)
+    if shared_init:
+        state = jax.device_put(initial_state_on_host(cfg, opt_cfg), state_shardings(placement, optimizer))
+    else:
+        state = fresh_state(placement, optimizer, (cfg, opt_cfg, dims))
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), grad_accum)
     perm = sequence_permutation(placement, T)
     losses = []
@@ -56,11 +74,26 @@ def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None):
     return dict(placement=placement, state=state, losses=losses, step=step)
 
 
-def train(placement, with_grads=False, grad_accum=1):
-    """Losses of 3 steps, the compiled step (and gradient function), the abstract batch, the final state."""
+def initial_state_on_host(cfg=CFG, opt_cfg=OPT):
+    """A fresh train state (seed 0) made on one device, on the host: compiling the initialiser costs about
+    as much as compiling a train step on 2 CPU cores, so this is done once per model and optimizer."""
+    key = (cfg, opt_cfg, "1,1,1,1")
+    if key not in _made_on:
+        fresh_state(place(cfg, mesh_for("1,1,1,1")), make_optimizer(opt_cfg), key)
+    return _made_on[key]
+
+
+def train(placement, with_grads=False, grad_accum=1, shared_init=False):
+    """Losses of 3 steps, the compiled step (and gradient function), the abstract batch, the final state.
+    `shared_init`: start from `initial_state_on_host()` laid out as this placement's state is (the same
+    values `create_train_state` makes on any mesh, without compiling it for this one)."""
     optimizer = make_optimizer(OPT)
     step, grads, batch = compile_step(placement, optimizer, B, T, grad_accum, lr_schedule(OPT), with_grads)
-    state = create_train_state(placement, optimizer, seed=0)
+    if shared_init:
+        assert placement.cfg == CFG and not placement.groups, "the shared state is CFG's, without layer groups"
+        state = jax.device_put(initial_state_on_host(), state_shardings(placement, optimizer))
+    else:
+        state = create_train_state(placement, optimizer, seed=0)
     perm = sequence_permutation(placement, T)
     losses = []
     for b in make_batches():
@@ -69,6 +102,7 @@ def train(placement, with_grads=False, grad_accum=1):
     return dict(losses=losses, step=step, grads=grads, batch=batch, placement=placement, state=state)
 
 
-def run_strategy(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False, grad_accum=1):
+def run_strategy(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False, grad_accum=1,
+                 shared_init=False):
     s, rules = choose(strategy, zero_stage, rules_file)
-    return train(place(CFG, mesh_for(dims), s, rules), with_grads, grad_accum)
+    return train(place(CFG, mesh_for(dims), s, rules), with_grads, grad_accum, shared_init)

@@ -7,23 +7,25 @@ import numpy as np
 import pytest
 
 from meshlm.cli import main
-from tests.support.cli import meshlm
 from tests.support.hf import small_hf_config, write_numpy_hf
 
 
 @pytest.mark.slow
-def test_lora_train_resume_export(tmp_path):
+def test_lora_train_resume_export(tmp_path, capsys):
+    """The commands run in this process (its 8 simulated devices), as `meshlm` runs them."""
     base = write_numpy_hf(tmp_path / "base", small_hf_config())
     run = tmp_path / "run"
     args = ["train", "--devices=8", "--mesh_dim=2,1,4,1", "--zero_stage=1", f"--init_from=hf:{base}",
             "--lora_rank=4", "--lora_alpha=8", "--dataset=synthetic", "--batch_size=8", "--seq_len=32",
             "--log_every=1", f"--output_dir={run}", "--peak_tflops=1"]
-    first = meshlm(*args, "--steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "LoRA: rank 4, alpha 8 on 7 weights" in first.stdout
-    second = meshlm(*args, "--steps=3")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout
+    code = main([*args, "--steps=2"])
+    first = capsys.readouterr()
+    assert code == 0, first.err[-3000:]
+    assert "LoRA: rank 4, alpha 8 on 7 weights" in first.out
+    code = main([*args, "--steps=3"])
+    second = capsys.readouterr()
+    assert code == 0, second.err[-3000:]
+    assert "resumed from" in second.out
     meta = json.loads((run / "checkpoints" / "3" / "meta" / "metadata").read_text())
     assert meta["lora"]["base"] == str(base) and meta["lora"]["rank"] == 4
     stored = json.loads((run / "checkpoints" / "3" / "state" / "_METADATA").read_text())
@@ -31,8 +33,8 @@ def test_lora_train_resume_export(tmp_path):
     assert "lora" in keys and "'base'" not in keys and "embed" not in keys
 
     out = tmp_path / "peft"
-    exported = meshlm("export", f"--checkpoint={run}", f"--out={out}", "--lora_format=peft")
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    code = main(["export", f"--checkpoint={run}", f"--out={out}", "--lora_format=peft"])
+    assert code == 0, capsys.readouterr().err[-3000:]
     from safetensors.numpy import load_file
 
     tensors = load_file(str(out / "adapter_model.safetensors"))
