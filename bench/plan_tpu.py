@@ -40,7 +40,7 @@ DEVICES = 4
 SHAPES = {"tiny": (8, 512), "small": (4, 1024), "1b": (4, 1024), "llama2-7b": (4, 1024)}
 MESHES = {"fsdp": "1,4,1,1", "fsdp×tp": "1,2,2,1", "dp×fsdp": "2,2,1,1", "tp": "1,1,4,1", "fsdp×sp": "1,2,1,2"}
 MEMORY_TOLERANCE, COLLECTIVE_TOLERANCE = 10.0, 15.0
-# The cases `--fit` fits `meshlm.plan.memory.PLACES[tpu-*]` to: other shapes, sizes and remat policies than
+# The cases `--fit` fits `meshlm.plan.memory.PLACES["tpu"]` to: other shapes, sizes and remat policies than
 # the table's (model, batch, seq_len, remat), each on the table's five meshes. The table checks the fit.
 FIT_SET = [("tiny", 4, 1024, "full"), ("tiny", 16, 256, "full"), ("tiny", 8, 512, "save_qkv_attn"),
            ("small", 8, 512, "full"), ("1b", 8, 512, "full")]
@@ -124,10 +124,14 @@ FIT_START = {"forward": {**memory.PLACES["cpu"]["forward"], "tables": 2.0, "cast
              "backward": {**memory.PLACES["cpu"]["backward"], "layer": 1.0, "scores": 1.0, "cast_params": 1.0}}
 
 
+def place_bytes(place: dict, sizes: dict) -> float:
+    """Bytes one place holds: its coefficients times the term sizes."""
+    return sum(c * sizes[t] for t, c in place.items())
+
+
 def peak_of(places: dict, exact: dict, sizes: dict) -> float:
     """Predicted peak: state + batch + the larger place."""
-    return (exact["params"] + exact["optimizer"] + exact["batch"]
-            + max(sum(c * sizes[t] for t, c in place.items()) for place in places.values()))
+    return exact["params"] + exact["optimizer"] + exact["batch"] + max(place_bytes(p, sizes) for p in places.values())
 
 
 def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
@@ -172,7 +176,7 @@ def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
 
     places = FIT_START
     for _ in range(3):
-        holds = [max(FIT_START, key=lambda p: sum(c * s[t] for t, c in places[p].items())) for _, s, _ in rows]
+        holds = [max(FIT_START, key=lambda p: place_bytes(places[p], s)) for _, s, _ in rows]
         lo, hi = 0.0, 1.0
         if solve(hi, holds) is None:
             raise SystemExit("no coefficients bring every case within 100% of its compiled peak")
@@ -214,7 +218,7 @@ def main() -> None:
         for hardware in args.hardware.split(","):
             print(f"{hardware}: fit set", flush=True)
             places, worst = fit_places(fit_rows(hardware, cache, args.fresh))
-            print(f'    "{hardware}": {places},  # worst {100 * worst:.1f}% over the fit set')
+            print(f'    "{memory.compiler_for(hardware)}": {places},  # {hardware}: worst {100 * worst:.1f}% over the fit set')
         return
     print(f"{DEVICES} chips, bfloat16 compute, float32 parameters, --remat=full; ratio = predicted / compiled "
           f"(tolerance: memory ±{MEMORY_TOLERANCE:.0f}%, collectives ±{COLLECTIVE_TOLERANCE:.0f}%)\n")

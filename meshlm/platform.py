@@ -187,22 +187,35 @@ def _nvidia_device() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
 
 
+def _named_platforms(environ) -> str:
+    """The platforms the user named: `JAX_PLATFORMS`, else `jax_platforms` set through jax.config.update."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if not platforms and "jax" in sys.modules:
+        platforms = (sys.modules["jax"].config.jax_platforms or "").strip()
+    return platforms
+
+
+def _libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def _cuda_present() -> bool:
+    """A JAX CUDA plugin installed and an NVIDIA device node present."""
+    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and _nvidia_device()
+
+
 def detect_backend(environ=None) -> str:
     """'gpu', 'tpu' or 'cpu': the backend JAX will run on here, decided without starting JAX."""
     environ = os.environ if environ is None else environ
-    platforms = environ.get("JAX_PLATFORMS", "").strip()
-    if not platforms and "jax" in sys.modules:  # jax_platforms set through jax.config.update
-        platforms = (sys.modules["jax"].config.jax_platforms or "").strip()
+    platforms = _named_platforms(environ)
     if platforms:
         return _platform_kind(platforms.split(",")[0])
     started = _started_backend()
     if started:
         return started
-    if importlib.util.find_spec("libtpu") is not None and _tpu_chips() > 0:
+    if _libtpu_installed() and _tpu_chips() > 0:
         return "tpu"
-    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and _nvidia_device():
-        return "gpu"
-    return "cpu"
+    return "gpu" if _cuda_present() else "cpu"
 
 
 def skip_absent_tpu(environ=None) -> str | None:
@@ -211,20 +224,14 @@ def skip_absent_tpu(environ=None) -> str | None:
     warnings about accelerator types and worker hostnames before JAX falls back. Name the platforms JAX
     may start instead (`cuda,cpu` where a CUDA plugin and an NVIDIA device are present, else `cpu`);
     compiling for a TPU topology (`meshlm plan --verify`) does not need the TPU backend started. Leaves
-    `JAX_PLATFORMS` the user set, and a JAX that already runs, alone. Returns what it set, or None."""
+    platforms the user named, and a JAX that already runs, alone. Returns what it set, or None."""
     environ = os.environ if environ is None else environ
-    if environ.get("JAX_PLATFORMS", "").strip() or _started_backend():
+    if _named_platforms(environ) or _started_backend() or not _libtpu_installed() or _tpu_chips() > 0:
         return None
-    jax = sys.modules.get("jax")
-    if jax is not None and (jax.config.jax_platforms or "").strip():
-        return None
-    if importlib.util.find_spec("libtpu") is None or _tpu_chips() > 0:
-        return None
-    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and _nvidia_device()
-    platforms = "cuda,cpu" if cuda else "cpu"
+    platforms = "cuda,cpu" if _cuda_present() else "cpu"
     environ["JAX_PLATFORMS"] = platforms
-    jax = sys.modules.get("jax")  # imported now if not before (_tpu_chips uses JAX's PCI scan)
-    if jax is not None:  # imported but not started: JAX read the variable at import, so tell its config too
+    jax = sys.modules.get("jax")  # imported by now if not before (_tpu_chips uses JAX's PCI scan)
+    if jax is not None and environ is os.environ:  # JAX read the variable at import: tell its config too
         jax.config.update("jax_platforms", platforms)
     return platforms
 
