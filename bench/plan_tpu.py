@@ -120,8 +120,10 @@ def fit_rows(hardware: str, cache: Path | None, fresh: bool) -> list[tuple[dict,
 
 # Where `--fit` starts: XLA:CPU's places with the tables at half in the forward place (XLA:TPU gathers them
 # in bfloat16) and the device's parameters cast once to the compute dtype before the layer loop.
-FIT_START = {"forward": {**memory.PLACES["cpu"]["forward"], "tables": 2.0, "cast_params": 1.0},
-             "backward": {**memory.PLACES["cpu"]["backward"], "layer": 1.0, "scores": 1.0, "cast_params": 1.0}}
+# XLA:CPU's `lookup` correction is left out: XLA:TPU's programs fit as well without it (9.2% against 9.3%).
+FIT_START = {place: {t: c for t, c in {**memory.PLACES["cpu"][place], **extra}.items() if t != "lookup"}
+             for place, extra in (("forward", {"tables": 2.0, "cast_params": 1.0}),
+                                  ("backward", {"layer": 1.0, "scores": 1.0, "cast_params": 1.0}))}
 
 
 def place_bytes(place: dict, sizes: dict) -> float:

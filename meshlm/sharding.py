@@ -201,7 +201,51 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
         return x
-    spec = logical_to_spec(logical, active.strategy.activations, active.mesh, active.strategy.shared)
+    return _pin(x, logical_to_spec(logical, active.strategy.activations, active.mesh, active.strategy.shared), active)
+
+
+def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`jnp.take(table, tokens, axis=0)`: rows [B, T, E] of the [V, E] embedding table, laid out for the mesh
+    (the caller pins the result's own layout). Plain `take` outside `activate`.
+
+    The table is stored with its embed dimension split over some mesh axes (fsdp and sp in the default
+    strategy). Rather than gather the table to every device, the token ids are gathered over those axes:
+    each device looks up its own columns of the table for every token of the devices that share its
+    shard, and the rows then move home one mesh axis at a time (an all-to-all each), taking each axis
+    off the minor end of the embed dimension to the batch or length dimension that holds it in the
+    activations. Per device this moves B·T/n rows instead of the [V, E] table, and the table's gradient
+    needs no reduction over those axes. A table axis that no token dimension takes back (a user's rule)
+    keeps the table gathered instead, and so does a lookup inside a `shard_map` (pipeline stages, ZeRO
+    0-2), whose partly manual layouts XLA's partitioner cannot move this way."""
+    active = _ACTIVE.get()
+    if active is None:
+        return jax.numpy.take(table, tokens, axis=0)
+    mesh, strategy = active.mesh, active.strategy
+    table_axes = [a for a in _as_tuple(strategy.params.get("embed")) if mesh.shape.get(a, 1) > 1]
+    batch, length = (list(_as_tuple(e)) for e in logical_to_spec(TOKENS, strategy.activations, mesh, strategy.shared))
+    if (not table_axes or _manual_context() is not None
+            or any(a not in batch and a not in length for a in table_axes)):
+        gathered = logical_to_spec(("vocab", "embed"), strategy.activations, mesh, strategy.shared)
+        return jax.numpy.take(_pin(table, gathered, active), tokens, axis=0)
+    rows_batch, rows_length = [a for a in batch if a not in table_axes], [a for a in length if a not in table_axes]
+    x = jax.numpy.take(table, _pin(tokens, P(*_entries(rows_batch, rows_length)), active), axis=0)
+    x = _pin(x, P(*_entries(rows_batch, rows_length, table_axes)), active)
+    embed = list(table_axes)
+    while embed:
+        axis = embed.pop()
+        if axis in batch:
+            rows_batch = [a for a in batch if a in rows_batch or a == axis]
+        else:
+            rows_length = [a for a in length if a in rows_length or a == axis]
+        x = _pin(x, P(*_entries(rows_batch, rows_length, embed)), active)
+    return x
+
+
+def _entries(*dims: Sequence[str]) -> tuple[MeshAxes, ...]:
+    return tuple(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims)
+
+
+def _pin(x: jax.Array, spec: P, active: _Active) -> jax.Array:
     context = _manual_context()
     if context is not None:  # inside a shard_map (pipeline stages, ZeRO 0-2): its mesh, its automatic axes only
         manual = set(context.manual_axes)

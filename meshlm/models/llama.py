@@ -242,12 +242,10 @@ class Llama(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         table = self.embed[...] if params is None else params["embed"]
-        # Gather from a table whose vocab dim stays split over the model axis and whose embed dim is whole:
-        # each shard looks up its own rows and one reduction assembles the activations.
-        # The table is cast to the compute dtype first, so the lookup, the assembly and the gradient's
-        # reduction all move compute-dtype rows.
-        table = sharding.constrain(table.astype(jnp.dtype(self.cfg.dtype)), axes.EMBED_TABLE)
-        x = jnp.take(table, tokens, axis=0)
+        # The table stays as it is stored, cast to the compute dtype: its vocab split over the model axis
+        # (each shard looks up its own rows, one reduction assembles them) and its embed dimension split
+        # for memory. The token ids go to the table rather than the table to the ids (`sharding.lookup`).
+        x = sharding.lookup(table.astype(jnp.dtype(self.cfg.dtype)), tokens)
         return sharding.constrain(x, axes.STREAM), positions
 
     def run_layers(self, x, positions, segment_ids=None, layers=None, *, return_kv: bool = False, adapt=None):

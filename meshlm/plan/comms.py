@@ -10,11 +10,13 @@ What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
 
 - fsdp (F > 1): every layer's weights and norm scales are all-gathered over F in the forward pass
   and again in the backward pass (ZeRO-3: nothing gathered is kept); the gradients are
-  reduce-scattered over F (W·p), then the shard is all-reduced over dp. The embedding table is
-  gathered once (the lookup wants its embed dimension whole) and the output head once, plus once
-  more in the backward pass when t > 1. Under gradient accumulation these three gathers do not
-  depend on the micro-batch and XLA hoists them out of the accumulation loop; everything else
-  repeats per micro-batch, gradient reductions included.
+  reduce-scattered over F (W·p), then the shard is all-reduced over dp. The embedding table is not
+  gathered: the token ids are (n·F int32, `meshlm.sharding.lookup`), each device looks up its own
+  columns of the table, and the rows go home by one all-to-all per axis of F (n·E·a each, forward and
+  backward); the table's gradient then needs summing over dp only, on the shard (table / F). The
+  output head is gathered once, plus once more in the backward pass when t > 1. Under gradient
+  accumulation the head's gathers do not depend on the micro-batch and XLA hoists them out of the
+  accumulation loop; everything else repeats per micro-batch, gradient reductions included.
 - tp (t > 1): the row-parallel projections (attention out, MLP down) all-reduce their [n, E]
   output in the forward pass; in the backward pass the column-parallel ones all-reduce the gradient
   of their input (3 for q/k/v, 2 for gate/up). The vocab-parallel embedding lookup, the output
@@ -23,8 +25,8 @@ What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
   positions and segment ids and two float32 gradient accumulators s times, then the accumulators
   one last hop. The forward pass sends positions and segment ids once per step (the same for every
   layer, so XLA hoists them out of the layer loop).
-- gradients that are sums over tokens of a replicated weight (norm scales, the embedding table)
-  are all-reduced over the batch axes (dp × fsdp) and, separately, over sp.
+- gradients that are sums over tokens of a replicated weight (norm scales) are all-reduced over the
+  batch axes (dp × fsdp) and, separately, over sp.
 - remat: recomputing a layer repeats its forward all-reduce of the attention output (policies
   `full` and `save_qkv_attn`) and its forward ring (policies `full` and `save_dots`, which keep no
   attention output).
@@ -32,8 +34,8 @@ What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
 The list above is XLA:CPU's program (and the model for GPUs, not checked against XLA:GPU). XLA:TPU
 (`backend='tpu'`, checked against libtpu's compiles by `bench/plan_tpu.py`, docs/plan.md) differs:
 
-- it casts the weights, the embedding table and the head to the compute dtype before it gathers
-  them (a bytes, not p), reduces the layer and embedding-table gradients in it (the head's stays p),
+- it casts the weights and the head to the compute dtype before it gathers them (a bytes, not p),
+  reduces the layer and embedding-table gradients in it (the head's stays p),
   and gathers the output head once also when t > 1;
 - it adds the partial input gradients of q, k, v (and of gate, up) before one tp all-reduce of
   [n, E] each, and sums norm-scale and table gradients over the batch axes and sp in one all-reduce;
@@ -131,12 +133,14 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     for axes in token_axes:
         add("all-reduce", axes, (2 * L + 1) * E * p, A, "norms", "sum norm-scale gradients over tokens")
 
-    # Embedding table and output head.
+    # Embedding lookup (the ids go to the table: `meshlm.sharding.lookup`) and output head.
     table = loc.w_table * p
-    add("all-gather", F, loc.w_table * g, 1, "embed", "fsdp: gather the embedding table for the lookup")
-    add("all-reduce", ("tp",), n * E * g, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
-    for axes in token_axes:
-        add("all-reduce", axes, loc.w_table * r, A, "embed", "sum embedding-table gradients over tokens")
+    ways = sizes["fsdp"] * sizes["sp"]
+    add("all-gather", F, n * ways * 4, A, "embed", "fsdp: gather the token ids for the lookup", False)
+    add("all-reduce", ("tp",), n * E * a, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
+    for axis in F:
+        add("all-to-all", (axis,), n * E * a, 2 * A, "embed", "fsdp: looked-up rows to their devices (and back)", False)
+    add("all-reduce", ("dp",), loc.w_table * r / ways, A, "embed", "dp: sum embedding-table gradients over tokens")
     if not cfg.tie_embeddings:
         add("all-gather", F, loc.w_table * g, 2 if sizes["tp"] > 1 and backend != "tpu" else 1, "lm_head",
             "fsdp: gather the output head")

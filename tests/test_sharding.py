@@ -1,0 +1,60 @@
+"""`meshlm.sharding.lookup`: the token ids go to the embedding table, not the table to the ids.
+
+On each mesh the looked-up rows and the table's gradient equal plain `jnp.take`'s on one device, and the
+compiled program moves no table-sized buffer: no all-gather of the table, no reduction of its whole
+gradient over the axes that split it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshlm import axes, hlo, sharding
+from meshlm.mesh import build_mesh, parse_mesh_dim
+from meshlm.strategy import DEFAULT, preset
+
+V, E, B, T = 1024, 64, 8, 16
+
+
+def run(mesh_dim: str, strategy=DEFAULT):
+    mesh = build_mesh(parse_mesh_dim(mesh_dim, 8), jax.devices()[:8])
+    table_spec = sharding.logical_to_spec(axes.EMBED_TABLE, strategy.params, mesh)
+    rng = np.random.default_rng(0)
+    table = jax.device_put(rng.normal(size=(V, E)).astype(np.float32), NamedSharding(mesh, table_spec))
+    tokens = jax.device_put(rng.integers(0, V, (B, T)).astype(np.int32), sharding.batch_sharding(mesh, strategy))
+    weights = rng.normal(size=(B, T, E)).astype(np.float32)
+
+    def loss(table, tokens):
+        with sharding.activate(mesh, strategy):
+            rows = sharding.constrain(sharding.lookup(table, tokens), axes.STREAM)
+        return jnp.sum(rows * weights), rows
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, rows), grad = step(table, tokens)
+    text = step.lower(table, tokens).compile().as_text()
+    return np.asarray(table), np.asarray(tokens), weights, np.asarray(rows), np.asarray(grad), text
+
+
+@pytest.mark.parametrize("mesh_dim", ["1,8,1,1", "2,2,2,1", "1,2,1,4", "1,4,2,1"])
+def test_lookup_equals_take_and_moves_rows_not_the_table(mesh_dim):
+    table, tokens, weights, rows, grad, text = run(mesh_dim)
+    np.testing.assert_array_equal(rows, table[tokens])
+    expected = np.zeros_like(table)
+    np.add.at(expected, tokens, weights)
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-6)
+    # The table is V·E·4 = 256 KiB; the rows at most B·T·E·4 = 32 KiB, the ids 512 B. Only dp, which does not
+    # split the table, may sum (its shard of) the table's gradient.
+    dp = parse_mesh_dim(mesh_dim, 8).dp
+    big = [c for c in hlo.parse_collectives(text) if c.payload_bytes >= V * E
+           and not (c.kind == "all-reduce" and c.group_size == dp)]
+    assert not big, f"{mesh_dim}: table-sized collectives {big}"
+    assert "all-to-all" in text
+
+
+def test_a_table_axis_no_token_dimension_holds_keeps_the_table_gathered():
+    # megatron keeps the table's embed dimension whole: nothing to send the ids to; plain take
+    table, tokens, _, rows, _, text = run("2,1,4,1", preset("megatron"))
+    np.testing.assert_array_equal(rows, table[tokens])
+    assert "all-to-all" not in text
