@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshlm.axes import KEYS, QUERIES, TOKENS
@@ -90,7 +91,7 @@ def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes]
         if clash := used.intersection(axes):
             raise UsageError(f"logical axes {tuple(logical)} put mesh axis {sorted(clash)[0]!r} on two dimensions")
         used.update(axes)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        entries.append(_entry(axes))
     return P(*entries)
 
 
@@ -219,17 +220,17 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     0-2), whose partly manual layouts XLA's partitioner cannot move this way."""
     active = _ACTIVE.get()
     if active is None:
-        return jax.numpy.take(table, tokens, axis=0)
+        return jnp.take(table, tokens, axis=0)
     mesh, strategy = active.mesh, active.strategy
     table_axes = [a for a in _as_tuple(strategy.params.get("embed")) if mesh.shape.get(a, 1) > 1]
     batch, length = (list(_as_tuple(e)) for e in logical_to_spec(TOKENS, strategy.activations, mesh, strategy.shared))
     if (not table_axes or _manual_context() is not None
             or any(a not in batch and a not in length for a in table_axes)):
         gathered = logical_to_spec(("vocab", "embed"), strategy.activations, mesh, strategy.shared)
-        return jax.numpy.take(_pin(table, gathered, active), tokens, axis=0)
+        return jnp.take(_pin(table, gathered, active), tokens, axis=0)
     rows_batch, rows_length = [a for a in batch if a not in table_axes], [a for a in length if a not in table_axes]
-    x = jax.numpy.take(table, _pin(tokens, P(*_entries(rows_batch, rows_length)), active), axis=0)
-    x = _pin(x, P(*_entries(rows_batch, rows_length, table_axes)), active)
+    x = jnp.take(table, _pin(tokens, P(_entry(rows_batch), _entry(rows_length)), active), axis=0)
+    x = _pin(x, P(_entry(rows_batch), _entry(rows_length), _entry(table_axes)), active)
     embed = list(table_axes)
     while embed:
         axis = embed.pop()
@@ -237,12 +238,13 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
             rows_batch = [a for a in batch if a in rows_batch or a == axis]
         else:
             rows_length = [a for a in length if a in rows_length or a == axis]
-        x = _pin(x, P(*_entries(rows_batch, rows_length, embed)), active)
+        x = _pin(x, P(_entry(rows_batch), _entry(rows_length), _entry(embed)), active)
     return x
 
 
-def _entries(*dims: Sequence[str]) -> tuple[MeshAxes, ...]:
-    return tuple(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims)
+def _entry(axes: Sequence[str]) -> MeshAxes:
+    """Mesh axes as one PartitionSpec entry: None, one axis, or a tuple of them."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _pin(x: jax.Array, spec: P, active: _Active) -> jax.Array:
@@ -261,7 +263,7 @@ def _manual_context():
 
 def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
     kept = tuple(a for a in _as_tuple(entry) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+    return _entry(kept)
 
 
 def batch_sharding(mesh: Mesh, strategy: Strategy, ndim: int = 2) -> NamedSharding:

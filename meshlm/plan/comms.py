@@ -38,7 +38,7 @@ The list above is XLA:CPU's program (and the model for GPUs, not checked against
   reduces the layer and embedding-table gradients in it (the head's stays p),
   and gathers the output head once also when t > 1;
 - it adds the partial input gradients of q, k, v (and of gate, up) before one tp all-reduce of
-  [n, E] each, and sums norm-scale and table gradients over the batch axes and sp in one all-reduce;
+  [n, E] each, and sums norm-scale gradients over the batch axes and sp in one all-reduce;
 - from sequences of `TPU_REGATHER_FROM` tokens on (and always with the ring over sp) it gathers q's
   and one kv projection's weights once more in the backward pass;
 - the ring's dk, dv accumulators go home in the compute dtype, and the recomputed forward ring
@@ -116,13 +116,14 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     out = Collectives(shape)
     add = out.add
 
-    fsdp_on = sizes["fsdp"] * sizes["sp"] > 1
+    ways = sizes["fsdp"] * sizes["sp"]  # how many ways the weights' embed dimension is split (F)
+    fsdp_on = ways > 1
     layer_weights = {"attn.qkv": loc.w_qkv, "attn.out": loc.w_out, "mlp.in": loc.w_mlp_in, "mlp.down": loc.w_mlp_out}
     for op, w in layer_weights.items():
         if fsdp_on:
             add("all-gather", F, w * g, 2 * L * A, op, "fsdp: gather weights (forward and backward)")
             add("reduce-scatter", F, w * r, L * A, op, "fsdp: reduce-scatter weight gradients")
-            add("all-reduce", ("dp",), w * r / (sizes["fsdp"] * sizes["sp"]), L * A, op, "dp: all-reduce gradient shards")
+            add("all-reduce", ("dp",), w * r / ways, L * A, op, "dp: all-reduce gradient shards")
         else:
             add("all-reduce", ("dp",), w * r, L * A, op, "dp: all-reduce weight gradients")
     # Norm scales: gathered like weights, gradients are sums over tokens.
@@ -135,7 +136,6 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
 
     # Embedding lookup (the ids go to the table: `meshlm.sharding.lookup`) and output head.
     table = loc.w_table * p
-    ways = sizes["fsdp"] * sizes["sp"]
     add("all-gather", F, n * ways * 4, A, "embed", "fsdp: gather the token ids for the lookup", False)
     add("all-reduce", ("tp",), n * E * a, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
     for axis in F:
@@ -146,7 +146,7 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
             "fsdp: gather the output head")
         if fsdp_on:
             add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
-            add("all-reduce", ("dp",), table / (sizes["fsdp"] * sizes["sp"]), A, "lm_head", "dp: all-reduce gradient shards")
+            add("all-reduce", ("dp",), table / ways, A, "lm_head", "dp: all-reduce gradient shards")
         else:
             add("all-reduce", ("dp",), table, A, "lm_head", "dp: all-reduce head gradients")
     add("all-reduce", ("tp",), n * E * a, A, "lm_head", "tp: input gradient of the vocab-parallel head", False)
