@@ -12,14 +12,27 @@ from __future__ import annotations
 import re
 
 # The model's einsums (meshlm/models/llama.py, meshlm/models/loss.py) and what they compute.
-EINSUMS = {
+# Each projection is `meshlm.ops.linear`: its forward einsum, and in the backward the einsums of the input's
+# and of the weight's gradient.
+_PROJECTIONS = {
     "bte,ehd->bthd": "attn q projection (wq)",
     "bte,ekd->btkd": "attn k, v projection (wk, wv)",
     "bthd,hde->bte": "attn output projection (wo)",
+    "bte,em->btm": "mlp gate, up projection (gate, up)",
+    "btm,me->bte": "mlp down projection (down)",
     "bte,ev->btv": "lm_head",
-    "btv,ev->bte": "lm_head",
-    "bte,btv->ev": "lm_head",
 }
+
+
+def _with_gradients(projections: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for spec, what in projections.items():
+        (x, w), y = spec.split("->")[0].split(","), spec.split("->")[1]
+        out.update({spec: what, f"{y},{w}->{x}": what, f"{x},{y}->{w}": what})
+    return out
+
+
+EINSUMS = _with_gradients(_PROJECTIONS)
 # Primitives without an einsum of their own, by where they sit (inside the layer scan or outside).
 IN_LAYERS = {"dot_general": "mlp (gate, up, down)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
              "reduce_max": "attention softmax"}

@@ -29,6 +29,7 @@ from meshlm.models.loss import head_loss_sums, project
 from meshlm.ops import kernels
 from meshlm.ops.attention import LSE_NAME, OUT_NAME
 from meshlm.ops.decode import decode_attention
+from meshlm.ops.linear import linear
 from meshlm.ops.ring import ring_attention
 
 # What each layer keeps for its backward pass (the rest is recomputed there), heaviest first. The names are
@@ -107,11 +108,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, cache: LayerCache | None = None):
         """Returns (output, (k, v)): this call's keys and values, or with `cache` the updated cache."""
-        dt, cfg = x.dtype, self.cfg
+        cfg = self.cfg
         inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # a trace-time constant
-        q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt))
+        q = linear("bte,ehd->bthd", x, self.wq[...])
+        k = linear("bte,ekd->btkd", x, self.wk[...])
+        v = linear("bte,ekd->btkd", x, self.wv[...])
         q = sharding.constrain(apply_rope(q, positions, inv_freq), axes.QUERIES)
         k = apply_rope(k, positions, inv_freq)
         # More tp ranks than kv heads: each rank gets its own copy of the kv head its queries use
@@ -128,7 +129,7 @@ class Attention(nnx.Module):
             out = decode_attention(q, k[:rows, :length], v[:rows, :length], positions, cache.kv_positions)
         # The attention kernels tag their own output (and log-sum-exp) for the remat policies.
         out = sharding.constrain(out, axes.QUERIES)
-        return checkpoint_name(jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dt)), "attn_proj"), (k, v)
+        return checkpoint_name(linear("bthd,hde->bte", out, self.wo[...]), "attn_proj"), (k, v)
 
 
 class LayerCache(NamedTuple):
@@ -182,10 +183,9 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (M, E), axes.MLP_OUT, std, pd)
 
     def __call__(self, x):
-        dt = x.dtype
-        h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+        h = jax.nn.silu(linear("bte,em->btm", x, self.gate[...])) * linear("bte,em->btm", x, self.up[...])
         h = sharding.constrain(h, axes.HIDDEN)
-        return h @ self.down[...].astype(dt)
+        return linear("btm,me->bte", h, self.down[...])
 
 
 class Block(nnx.Module):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from meshlm import axes, sharding
+from meshlm.ops.linear import linear
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, *, one_hot: bool = False) -> jax.Array:
@@ -55,33 +56,8 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
     The matmul takes its operands in x's dtype (the compute dtype) and gives the float32 it accumulates
     in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
     cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
-    and in the weights' own dtype. In float32 this is plain autodiff of one matmul."""
-    logits = _logits(x, weights) if x.dtype == jnp.float32 else _compute_dtype_logits(x, weights)
-    return sharding.constrain(logits, axes.LOGITS)
-
-
-def _logits(x, weights):
-    return jnp.einsum("bte,ev->btv", x, weights.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
-@jax.custom_vjp
-def _compute_dtype_logits(x, weights):
-    return _logits(x, weights)
-
-
-def _logits_fwd(x, weights):
-    return _logits(x, weights), (x, weights)
-
-
-def _logits_bwd(saved, g):
-    x, weights = saved
-    g = g.astype(x.dtype)
-    dx = jnp.einsum("btv,ev->bte", g, weights.astype(x.dtype))
-    dw = jnp.einsum("bte,btv->ev", x, g, preferred_element_type=jnp.float32)
-    return dx, dw.astype(weights.dtype)
-
-
-_compute_dtype_logits.defvjp(_logits_fwd, _logits_bwd)
+    and in the weights' own dtype (`meshlm.ops.linear`). In float32 this is plain autodiff of one matmul."""
+    return sharding.constrain(linear("bte,ev->btv", x, weights, out=jnp.float32), axes.LOGITS)
 
 
 def num_chunks(length: int, chunk: int) -> int:

@@ -134,9 +134,10 @@ def _tokens_major(x):
     return jnp.moveaxis(x, 3, 1)
 
 
-def _if(needed, fn, carry):
-    """`fn(carry)` if `needed` (a traced bool) else `carry` unchanged: how masked work is skipped."""
-    return lax.cond(needed, fn, lambda c: c, carry)
+def _if(needed, fn, carry, skip: bool = True):
+    """`fn(carry)` if `needed` (a traced bool) else `carry` unchanged: how masked work is skipped.
+    With `skip` False, `fn(carry)` always (masked work adds zeros), with no `lax.cond` around it."""
+    return lax.cond(needed, fn, lambda c: c, carry) if skip else fn(carry)
 
 
 def _dot(subscripts, a, b):
@@ -226,7 +227,7 @@ def _online_softmax_step(state: SoftmaxState, s, v_blk) -> SoftmaxState:
 def forward_chunk(
     state: SoftmaxState,
     q, k, v, q_pos, kv_pos, q_seg, kv_seg,
-    *, causal: bool, block_q: int, block_kv: int,
+    *, causal: bool, block_q: int, block_kv: int, skip_masked: bool = True,
 ) -> SoftmaxState:  # fmt: skip
     """Attend all queries to one chunk of keys/values, updating the online-softmax state.
 
@@ -234,7 +235,9 @@ def forward_chunk(
     over query blocks and, inside, key blocks; a (query block, key block) pair whose mask is
     all False is skipped by `lax.cond`, and so is a query block with nothing to attend in the
     whole chunk (decided from position ranges, so the order of tokens does not matter). Peak
-    extra memory is one [B,KVH,G,block_q,block_kv] score block.
+    extra memory is one [B,KVH,G,block_q,block_kv] score block. `skip_masked=False` computes every
+    pair instead, with no `lax.cond`: for a single block of a causal self-attention, which always
+    attends and where a conditional only costs.
     """
     t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
@@ -261,7 +264,7 @@ def forward_chunk(
                     scores = jnp.where(mask, scores, -jnp.inf)
                     return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 1))
 
-                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, blk_state)
+                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, blk_state, skip_masked)
 
             blk_state = lax.fori_loop(0, s // bk, per_key_block, blk_state)
             return SoftmaxState(
@@ -271,7 +274,7 @@ def forward_chunk(
             )
 
         # A query block with nothing to attend in this chunk skips even its setup.
-        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, state)
+        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, state, skip_masked)
 
     return lax.fori_loop(0, t // bq, per_query_block, state)
 
@@ -284,7 +287,7 @@ def forward_chunk(
 def backward_chunk(
     grads,
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta,
-    *, causal: bool, block_q: int, block_kv: int,
+    *, causal: bool, block_q: int, block_kv: int, skip_masked: bool = True,
 ):  # fmt: skip
     """Gradients of the attention of all queries to one chunk of keys/values.
 
@@ -298,7 +301,8 @@ def backward_chunk(
 
     grads = (dq [B,T,KVH,G,D], dk [B,S,KVH,D], dv [B,S,KVH,D]), float32 accumulators that this
     chunk's contributions are added to (in place, so no extra copies); returns the updated
-    triple. Fully masked pairs of blocks are skipped.
+    triple. Fully masked pairs of blocks are skipped (unless `skip_masked` is False, as in
+    `forward_chunk`).
     """
     t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
@@ -334,14 +338,14 @@ def backward_chunk(
                     dv = _update(dv, _slice(dv, k0, bk, 1) + dv_blk, k0, 1)
                     return dq_blk, dk, dv
 
-                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, carry)
+                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, carry, skip_masked)
 
             carry = (_heads_major(_slice(dq, q0, bq, 1)), dk, dv)
             dq_blk, dk, dv = lax.fori_loop(0, s // bk, per_key_block, carry)
             return _update(dq, _tokens_major(dq_blk), q0, 1), dk, dv
 
         # A query block with nothing to attend in this chunk skips even its setup.
-        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, grads)
+        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, grads, skip_masked)
 
     return lax.fori_loop(0, t // bq, per_query_block, tuple(grads))
 
@@ -394,6 +398,7 @@ class _Blocks(NamedTuple):
     causal: bool
     block_q: int
     block_kv: int
+    skip_masked: bool  # False for one (query block, key block) pair: see `forward_chunk`
 
 
 def _blockwise_forward(cfg: _Blocks, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
@@ -434,14 +439,15 @@ def blockwise_attention(
 
     Same inputs, masking and result as `dot_product_attention` (module docstring). Block sizes
     are clamped to T / S; T and S must then be divisible by them (ValueError otherwise).
-    Fully masked (query block, key block) pairs, e.g. above the causal diagonal, are skipped.
+    Fully masked (query block, key block) pairs, e.g. above the causal diagonal, are skipped (when
+    there are several; a single pair is computed with no conditional).
     The gradient is a `custom_vjp` that recomputes the scores block by block from the saved
     log-sum-exp, so forward + backward memory is linear in T.
     """
     check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     bq, bk = block_sizes(q.shape[1], k.shape[1], block_q, block_kv)
     out = _blockwise(
-        _Blocks(bool(causal), bq, bk), group_queries(q, k.shape[2]), k, v,
+        _Blocks(bool(causal), bq, bk, (bq, bk) != (q.shape[1], k.shape[1])), group_queries(q, k.shape[2]), k, v,
         q_positions, kv_positions, q_segment_ids, kv_segment_ids,
     )  # fmt: skip
     return ungroup_queries(out)

@@ -77,6 +77,22 @@ def test_block_sizes_are_clamped_and_checked():
         blockwise_attention(q, k, v, **kw, q_segment_ids=pos)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "segments"])
+def test_one_block_runs_without_conditionals(packed):
+    """A single (query block, key block) pair is computed with no `lax.cond` (several pairs keep theirs),
+    and gives the reference's values and gradients, padding rows (nothing to attend) included."""
+    q, k, v, dout, pos, seg = make_inputs(1, t=64, packed=packed)
+
+    def run(block):
+        return value_and_grads(blockwise_attention, q, k, v, dout, pos, seg, True, block_q=block, block_kv=block)
+
+    def conds(block):
+        return str(jax.make_jaxpr(lambda: run(block))()).count("cond[")
+
+    assert conds(64) == 0 and conds(32) > 0
+    assert_all_close(jax.jit(lambda: run(64))(), reference(q, k, v, dout, pos, seg, causal=True))
+
+
 def test_block_skipping_decision():
     """block_may_attend is False exactly for blocks the mask rules out entirely."""
     pos = lambda lo, hi: jnp.arange(lo, hi, dtype=jnp.int32)[None]  # noqa: E731
