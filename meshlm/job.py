@@ -111,7 +111,7 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
     CPU: `save_qkv_attn` (else `full`) while its predicted peak fits the host's memory share. XLA:CPU
     zero-fills the layer loop's saved activations and copies them again before the backward reads them,
     so keeping the MLP's activations costs more than recomputing them (`meshlm.plan.cost.RESIDUAL_PASSES`;
-    `bench/remat_cpu.py` measures it: 1.07x tokens/s on 1 device, 1.27x on fsdp=8 against `none`).
+    `bench/remat_cpu.py` measures it against `none`: 1.18x tokens/s on 1 device, 1.09x on fsdp=8).
     GPU and TPU: the least recomputation whose peak, as `meshlm plan` predicts it, fits what JAX may use
     of one device (`meshlm.plan.remat.first_fitting`)."""
     import jax
