@@ -1,20 +1,20 @@
-"""Weight projections in the compute dtype, with a float32 weight gradient.
+"""Weight projections in the compute dtype, with an explicit backward.
 
     y = linear("bte,ehd->bthd", x, w)                      # x @ w in x's dtype
     logits = linear("bte,ev->btv", x, w, out=jnp.float32)  # the same operands, float32 out
 
 `w` is a stored weight (any float dtype: float32 master weights, or bfloat16 ones); the matmul casts it
-to x's dtype, the compute dtype. The gradient is the one of that cast and matmul, computed as the
-hardware wants it:
+to x's dtype, the compute dtype. The gradient is autodiff's, written out as two matmuls:
 
-- x's gradient is one matmul of the output's cotangent (cast to the compute dtype) and w, in the
-  compute dtype;
-- w's gradient is one matmul of x and that cotangent, both in the compute dtype, accumulated and
-  returned in float32, then in w's own dtype. Plain autodiff would give it in the compute dtype (the
-  cast's transpose widens it afterwards), rounding every step's weight gradient to bfloat16; and on
-  XLA:CPU its layout (both operands transposed) is one YNNPACK cannot take, so XLA:CPU runs it as a
-  generic Eigen bfloat16 matmul that is several times slower than the rest (one device, the bench
-  shape: the whole step took twice as long).
+- x's gradient: the output's cotangent (cast to the compute dtype) times w, in the compute dtype;
+- w's gradient: x times that cotangent, in the output's dtype (the compute dtype, or `out`: the output
+  head's is float32, as its logits are), then in w's own dtype.
+
+Why write it out: XLA:CPU laid autodiff's weight-gradient matmuls of the MLP out with both operands
+transposed, a form YNNPACK does not take, and ran them as Eigen's generic bfloat16 matmul, several
+times slower than the rest (one device, the bench shape: the whole step took twice as long). Written
+as one einsum of x and the cotangent, every matmul of the step is a YNNPACK fusion. The backward also
+reuses the weight as the forward cast it, so a sharded weight is gathered once for both matmuls.
 
 The einsum `spec` has two operands, no repeated index within one operand and no index summed away
 that the other operand lacks (each index of w is in x or the output), which holds for every projection
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, out=None) -> jax.Array:
-    """`einsum(spec, x, w)` with w cast to x's dtype; the result in `out` (default x's dtype) and a
-    float32 weight gradient (module docstring)."""
+    """`einsum(spec, x, w)` with w cast to x's dtype, the result (and w's gradient) in `out`, default
+    x's dtype (module docstring)."""
     if x.dtype == jnp.float32:
         return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out)
     return _linear(spec, None if out is None else jnp.dtype(out), jnp.dtype(w.dtype), x, w)
@@ -60,7 +60,7 @@ def _linear_bwd(spec, out, w_dtype, saved, g):
     xs, ws, ys = _parts(spec)
     g = g.astype(x.dtype)
     dx = jnp.einsum(f"{ys},{ws}->{xs}", g, w)
-    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=out)
     return dx, dw.astype(w_dtype)
 
 
