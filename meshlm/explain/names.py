@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from meshlm.ops.linear import gradient_specs
+
 # The model's einsums (meshlm/models/llama.py, meshlm/models/loss.py) and what they compute.
 # Each projection is `meshlm.ops.linear`: its forward einsum, and in the backward the einsums of the input's
 # and of the weight's gradient.
@@ -22,17 +24,8 @@ _PROJECTIONS = {
     "btm,me->bte": "mlp down projection (down)",
     "bte,ev->btv": "lm_head",
 }
-
-
-def _with_gradients(projections: dict[str, str]) -> dict[str, str]:
-    out = {}
-    for spec, what in projections.items():
-        (x, w), y = spec.split("->")[0].split(","), spec.split("->")[1]
-        out.update({spec: what, f"{y},{w}->{x}": what, f"{x},{y}->{w}": what})
-    return out
-
-
-EINSUMS = _with_gradients(_PROJECTIONS)
+EINSUMS = {spec: what for projection, what in _PROJECTIONS.items()
+           for spec in (projection, *gradient_specs(projection))}
 # Primitives without an einsum of their own, by where they sit (inside the layer scan or outside).
 IN_LAYERS = {"dot_general": "mlp (gate, up, down)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
              "reduce_max": "attention softmax"}

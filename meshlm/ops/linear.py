@@ -33,37 +33,42 @@ def linear(spec: str, x: jax.Array, w: jax.Array, out=None) -> jax.Array:
     """`einsum(spec, x, w)` with w cast to x's dtype, the result (and w's gradient) in `out`, default
     x's dtype (module docstring)."""
     if x.dtype == jnp.float32:
-        return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out)
+        return _project(spec, out, x, w)
     return _linear(spec, None if out is None else jnp.dtype(out), jnp.dtype(w.dtype), x, w)
 
 
-def _parts(spec: str) -> tuple[str, str, str]:
-    inputs, output = spec.replace(" ", "").split("->")
+def gradient_specs(spec: str) -> tuple[str, str]:
+    """The einsums of the backward of `spec` ("x,w->y"): (x's gradient "y,w->x", w's gradient "x,y->w")."""
+    inputs, y = spec.replace(" ", "").split("->")
     x, w = inputs.split(",")
-    return x, w, output
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
+def _project(spec, out, x, w):
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _linear(spec, out, w_dtype, x, w):
-    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out)
+    return _project(spec, out, x, w)
 
 
 def _linear_fwd(spec, out, w_dtype, x, w):
     # The residual is the weight as the matmul used it (cast), so that the backward's matmul uses the
     # same value: sharded, it is gathered once for both (a second cast would be gathered again).
     w = w.astype(x.dtype)
-    return jnp.einsum(spec, x, w, preferred_element_type=out), (x, w)
+    return _project(spec, out, x, w), (x, w)
 
 
 def _linear_bwd(spec, out, w_dtype, saved, g):
     x, w = saved
-    xs, ws, ys = _parts(spec)
+    dx_spec, dw_spec = gradient_specs(spec)
     g = g.astype(x.dtype)
-    dx = jnp.einsum(f"{ys},{ws}->{xs}", g, w)
-    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=out)
+    dx = jnp.einsum(dx_spec, g, w)
+    dw = jnp.einsum(dw_spec, x, g, preferred_element_type=out)
     return dx, dw.astype(w_dtype)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
-__all__ = ["linear"]
+__all__ = ["linear", "gradient_specs"]
