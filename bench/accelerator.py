@@ -25,6 +25,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # one process owns the device
 
 import argparse  # noqa: E402
+import shutil  # noqa: E402
 import collections  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -37,6 +38,10 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshlm.platform import configure_runtime  # noqa: E402  (imports no JAX)
+
+configure_runtime()  # as `meshlm train` runs: the backend's XLA flag preset, the compilation cache
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,6 +106,9 @@ def run(cfg, kernel: str, args, profile_dir: str | None = None) -> dict:
     step = make_step(placement, optimizer)
     state = create_train_state(placement, optimizer, seed=0)
     batch = jax.device_put(synthetic_batch(cfg.vocab_size, args.batch, args.seq, args.packed), jax.devices()[0])
+    t0 = time.perf_counter()
+    memory = step.lower(state, batch).compile().memory_analysis()
+    compile_s = time.perf_counter() - t0
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -112,9 +120,12 @@ def run(cfg, kernel: str, args, profile_dir: str | None = None) -> dict:
             for _ in range(2):
                 state, loss = step(state, batch)
                 loss.block_until_ready()
+    stats = jax.devices()[0].memory_stats() or {}
     del state, step
     gc.collect()
-    return {"step_s": statistics.median(times[args.warmup:]), "first_s": times[0], "loss": (losses[0], losses[-1])}
+    return {"step_s": statistics.median(times[args.warmup:]), "first_s": times[0], "compile_s": compile_s, "loss": (losses[0], losses[-1]),
+            "temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30}
 
 
 def top_ops(profile_dir: str, n: int) -> list[tuple[str, float, float]]:
@@ -152,22 +163,29 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--kernel", default="auto", help="the kernel measured: auto, cudnn, triton, splash, ...")
-    ap.add_argument("--baseline", default="blockwise", help="the kernel it is compared with")
+    ap.add_argument("--baseline", default="blockwise", help="the kernel it is compared with (none: no baseline run)")
     ap.add_argument("--remat", default="none", help="remat policy of the layers")
+    ap.add_argument("--loss_chunk", type=int, default=None, help="positions per loss chunk (default: the model's)")
+    ap.add_argument("--scan_unroll", type=int, default=1, help="layers per iteration of the layer loop")
     ap.add_argument("--packed", action="store_true", help="two documents per row (segment ids)")
     ap.add_argument("--top", type=int, default=12, help="ops listed from the profile")
+    ap.add_argument("--trace_out", default=None, help="copy the kernel run's trace (.trace.json.gz) to this file")
     args = ap.parse_args(argv)
     args.seq = args.seq or (256 if args.small else 8192)
     if args.warmup < 1 or args.steps < 1:
         print("--warmup and --steps must be >= 1 (the first warm-up step compiles)", file=sys.stderr)
         return 2
     overrides = SMALL if args.small else {"n_layers": args.layers}
-    cfg = resolve_model("llama3-8b", overrides).replace(dtype="bfloat16", remat=args.remat, max_seq_len=args.seq)
+    cfg = resolve_model("llama3-8b", overrides).replace(dtype="bfloat16", remat=args.remat, max_seq_len=args.seq,
+                                                        scan_unroll=args.scan_unroll)
+    if args.loss_chunk is not None:
+        cfg = cfg.replace(loss_chunk=args.loss_chunk)
     device = jax.devices()[0]
     call = kernels.Call(platform=device.platform, q_len=args.seq, kv_len=args.seq, head_dim=cfg.head_dim,
-                        dtype="bfloat16", packed=args.packed, causal=True)  # fmt: skip
+                        dtype="bfloat16", packed=args.packed, causal=True,
+                        gpu_capability=kernels.gpu_capability())  # fmt: skip
     try:
-        chosen = [kernels.choose(k, call) for k in (args.baseline, args.kernel)]
+        chosen = [None if k == "none" else kernels.choose(k, call) for k in (args.baseline, args.kernel)]
     except Exception as e:  # a forced kernel that cannot serve this device: one line
         print(e, file=sys.stderr)
         return 2
@@ -176,20 +194,26 @@ def main(argv=None) -> int:
     tokens = args.batch * args.seq
     print(f"{device.device_kind}: llama3-8b-shaped, {cfg.n_layers} layers, d_model {cfg.d_model}, "
           f"{cfg.n_heads}/{cfg.n_kv_heads} heads x {cfg.head_dim}, mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}; "
-          f"{args.batch} x {args.seq} tokens{' (packed)' if args.packed else ''}, bf16, remat={args.remat}")
+          f"{args.batch} x {args.seq} tokens{' (packed)' if args.packed else ''}, bf16, remat={args.remat}, "
+          f"loss_chunk={cfg.loss_chunk}, scan_unroll={cfg.scan_unroll}")
     print(f"peak {peak / 1e12:.1f} TFLOP/s ({source}); model {flops_per_token * tokens / 1e12:.2f} TFLOP/step")
     results = {}
     with tempfile.TemporaryDirectory() as profile_dir:
         for role, name in zip(("baseline", "kernel"), chosen):
+            if name is None:
+                continue
             r = run(cfg, name, args, profile_dir if role == "kernel" else None)
             r["tokens_per_s"] = tokens / r["step_s"]
             r["mfu"] = flops_per_token * r["tokens_per_s"] / peak
             results[role] = r
-            print(f"  {role:8s} {name:9s}: step {r['step_s'] * 1e3:8.1f} ms (median of {args.steps}; compile+first "
-                  f"{r['first_s']:.1f} s)  {r['tokens_per_s']:10,.0f} tok/s  MFU {r['mfu']:.3f}  "
-                  f"loss {r['loss'][0]:.3f}->{r['loss'][1]:.3f}")
-        ratio = results["kernel"]["tokens_per_s"] / results["baseline"]["tokens_per_s"]
-        print(f"{chosen[1]} / {chosen[0]} tokens/s: {ratio:.2f}x")
+            print(f"  {role:8s} {name:9s}: step {r['step_s'] * 1e3:8.1f} ms (median of {args.steps}; compile "
+                  f"{r['compile_s']:.1f} s, first {r['first_s']:.1f} s)  {r['tokens_per_s']:10,.0f} tok/s  MFU {r['mfu']:.3f}  "
+                  f"loss {r['loss'][0]:.3f}->{r['loss'][1]:.3f}  temp {r['temp_gib']:.1f} GiB  peak {r['peak_gib']:.1f} GiB")
+        if "baseline" in results:
+            ratio = results["kernel"]["tokens_per_s"] / results["baseline"]["tokens_per_s"]
+            print(f"{chosen[1]} / {chosen[0]} tokens/s: {ratio:.2f}x")
+        if args.trace_out:
+            shutil.copy(sorted(Path(profile_dir).rglob("*.trace.json.gz"))[-1], args.trace_out)
         print(f"top ops of 2 traced {chosen[1]} steps:")
         for name, ms, share in top_ops(profile_dir, args.top):
             print(f"  {ms:10.2f} ms  {share:6.1%}  {name[:100]}")

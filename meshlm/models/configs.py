@@ -49,6 +49,9 @@ class ModelConfig:
     # Training loss: positions of each row whose float32 logits exist at once (meshlm.models.loss);
     # 0: the whole sequence in one piece.
     loss_chunk: int = 1024
+    # Layers per iteration of the training layer loop (a lax.scan): 1 keeps one compiled layer;
+    # n_layers unrolls the loop into straight-line code (longer compiles, no per-layer loop overhead).
+    scan_unroll: int = 1
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -63,6 +66,8 @@ class ModelConfig:
                 raise UsageError(f"--model.{name}={getattr(self, name)} must be a positive integer")
         if self.loss_chunk < 0:
             raise UsageError(f"--model.loss_chunk={self.loss_chunk}: give positions per loss chunk, or 0 for none")
+        if self.scan_unroll < 1:
+            raise UsageError(f"--model.scan_unroll={self.scan_unroll}: give layers per loop iteration, 1 or more")
         if self.n_heads % self.n_kv_heads:
             raise UsageError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "

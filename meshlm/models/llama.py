@@ -266,7 +266,9 @@ class Llama(nnx.Module):
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        return jax.lax.scan(layer, x, own if layers is None else layers)
+        stacked = own if layers is None else layers
+        count = jax.tree.leaves(stacked)[0].shape[0]
+        return jax.lax.scan(layer, x, stacked, unroll=max(1, min(self.cfg.scan_unroll, count)))
 
     def head(self, x, params=None):
         """Final norm and output projection: float32 logits [B, T, V]. `params`: a tree with `final_norm`

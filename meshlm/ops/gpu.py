@@ -5,7 +5,8 @@ and return [B,T,H,D] in q's dtype, masking by index (causal self-attention). Nei
 `conditional`: each is one fused kernel per pass, with its own block skipping.
 
 - `cudnn_attention`: `jax.nn.dot_product_attention(implementation="cudnn")`. Grouped queries native;
-  bfloat16/float16 only; no segment ids (the public call has no packed-document form).
+  bfloat16/float16 only. With segment ids it runs cuDNN's packed layout (`cudnn_packed_attention`:
+  each document's offset and length, Hopper and later), which the public call does not expose.
 - `triton_attention`: `jax.experimental.pallas.ops.gpu.attention.mha`, which masks segment ids and
   runs in any dtype. It has no grouped queries: k and v are repeated to the query heads (the
   gradient sums the copies back).
@@ -22,21 +23,36 @@ import jax.numpy as jnp
 TRITON_BLOCK = 128  # the Triton kernel's forward block (queries and keys); lengths are padded to it
 
 
+def triton_block(dtype, head_dim: int) -> int:
+    """The Triton kernel's forward block for these operands: TRITON_BLOCK, halved for float32 heads over
+    64 wide (float32 blocks of 128 x 128 need 257 KiB of shared memory; an H200 has 227)."""
+    return TRITON_BLOCK // 2 if jnp.dtype(dtype).itemsize >= 4 and head_dim > 64 else TRITON_BLOCK
+
+
 def cudnn_attention(q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True,
                     interpret: bool = False):
-    """cuDNN flash attention (scale 1/sqrt(D)); `segment_ids` must be None, `block` is not used."""
+    """cuDNN flash attention (scale 1/sqrt(D)); with `segment_ids`, over packed documents
+    (`cudnn_packed_attention`). `block` is not used. `interpret`: the same masks through XLA."""
     del block
-    if segment_ids is not None:
-        raise ValueError("cuDNN attention has no segment-id mask here; use triton_attention")
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla" if interpret else "cudnn")
+    if interpret:
+        mask = None
+        if segment_ids is not None:
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+    elif segment_ids is not None:
+        out = cudnn_packed_attention(q, k, v, segment_ids, causal=causal)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     return out.astype(q.dtype)
 
 
-def triton_attention(q, k, v, segment_ids=None, *, block: int = TRITON_BLOCK, causal: bool = True,
+def triton_attention(q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True,
                      interpret: bool = False):
-    """The Pallas (Triton) flash kernel, with the segment-id mask; T must be a multiple of `block`."""
+    """The Pallas (Triton) flash kernel, with the segment-id mask; T must be a multiple of `block`
+    (default `triton_block`)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
+    block = block or triton_block(q.dtype, q.shape[-1])
     t, heads, d = q.shape[1], q.shape[2], q.shape[3]
     if t % block:
         raise ValueError(f"the Triton kernel needs a length ({t}) divisible by its block ({block})")
@@ -50,4 +66,35 @@ def triton_attention(q, k, v, segment_ids=None, *, block: int = TRITON_BLOCK, ca
     )  # fmt: skip
     out = pallas_gpu.mha(q, k, v, segment_ids, sm_scale=1.0 / d**0.5, causal=causal, block_sizes=blocks,
                          interpret=interpret)  # fmt: skip
+    return out.astype(q.dtype)
+
+
+def segment_offsets(segment_ids, max_segments: int):
+    """(seqlens [B, M], offsets [B, M + 1]) of the documents in each row of `segment_ids` [B, T], in the
+    form cuDNN's packed layout takes: document m of a row starts at offsets[m] and holds seqlens[m]
+    tokens; entries past a row's last document are -1. A document starts wherever the id changes. Rows
+    with more than M documents keep their first M - 1 and merge the rest into the M-th (so every token
+    stays covered; that last segment then attends across its documents: choose M above the most
+    documents a row can hold)."""
+    b, t = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    index = jnp.minimum(jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, max_segments - 1)  # [B, T]
+    rows = jnp.arange(b)[:, None]
+    counts = jnp.zeros((b, max_segments), jnp.int32).at[rows, index].add(1)
+    first = jnp.full((b, max_segments + 1), t, jnp.int32).at[rows, index].min(jnp.arange(t, dtype=jnp.int32))
+    seqlens = jnp.where(counts > 0, counts, -1)
+    offsets = jnp.where(first < t, first, -1)
+    return seqlens, offsets
+
+
+def cudnn_packed_attention(q, k, v, segment_ids, *, max_segments: int = 64, causal: bool = True):
+    """cuDNN flash attention over packed documents (Hopper and later): the rows' documents, read from
+    `segment_ids` [B, T], are passed as cuDNN's packed layout (per-document lengths and offsets), each
+    attending causally within itself. Runs on a GPU only (no XLA twin)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    seqlens, offsets = segment_offsets(segment_ids, max_segments)
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    out = cudnn.dot_product_attention(q, k, v, None, None, seqlens, seqlens, offsets, offsets,
+                                      scale=1.0 / q.shape[-1] ** 0.5, mask_type=mask)  # fmt: skip
     return out.astype(q.dtype)

@@ -7,11 +7,11 @@ Shapes and the masking rule are those of `meshlm.ops.attention`. The kernels:
     dense      the reference: the [T, S] score matrix in memory (`attention.dot_product_attention`)
     blockwise  flash-style online softmax in pure JAX (`attention.blockwise_attention`); any positions
     splash     TPU: Pallas splash attention (`meshlm.ops.splash`), causal and segment-id masks, GQA
-    cudnn      GPU: cuDNN flash attention (`meshlm.ops.gpu`), causal, GQA; no packed documents
+    cudnn      GPU: cuDNN flash attention (`meshlm.ops.gpu`), causal, GQA; packed documents on Hopper+
     triton     GPU: the Pallas (Triton) flash kernel (`meshlm.ops.gpu`), causal and segment-id masks
 
-`auto` picks, for the platform the job runs on: TPU -> splash; GPU -> cudnn, or triton for packed
-documents or float32; CPU -> dense below `DENSE_BELOW` tokens, else blockwise. A kernel forced by name
+`auto` picks, for the platform the job runs on: TPU -> splash; GPU -> cudnn, or triton for float32
+or packed documents before Hopper; CPU -> dense below `DENSE_BELOW` tokens, else blockwise. A kernel forced by name
 that cannot serve the call raises one `UsageError` line saying why. `auto` never raises: it falls back
 to the next kernel that can serve the call.
 
@@ -70,6 +70,11 @@ class Call(NamedTuple):
     packed: bool  # segment ids given
     causal: bool
     interpret: bool = False
+    gpu_capability: float | None = None  # the GPU's compute capability (9.0 for Hopper); None: not known
+
+
+# cuDNN's packed-document layout (per-document offsets) runs on Hopper and later GPUs only.
+PACKED_CUDNN_CAPABILITY = 9.0
 
 
 def padded_length(t: int, max_block: int, align: int) -> tuple[int, int]:
@@ -90,8 +95,9 @@ def why_not(kernel: str, call: Call) -> str | None:
     if not call.causal or call.q_len != call.kv_len:
         return "serves causal self-attention only (queries and keys of one length)"
     if kernel == "cudnn":
-        if call.packed:
-            return "cannot mask packed documents (segment ids); --attention=triton can"
+        if call.packed and not call.interpret and (call.gpu_capability or 0) < PACKED_CUDNN_CAPABILITY:
+            return ("masks packed documents (segment ids) on Hopper or later GPUs only (compute capability "
+                    f"{PACKED_CUDNN_CAPABILITY}); --attention=triton can")
         if call.dtype not in ("bfloat16", "float16"):
             return f"needs bfloat16 or float16 activations, not {call.dtype}: set --dtype=bfloat16"
         if call.head_dim % 8 or call.head_dim > 128:
@@ -122,6 +128,15 @@ def default_platform() -> str:
     return jax.devices()[0].platform
 
 
+def gpu_capability() -> float | None:
+    """The compute capability of the first GPU JAX runs on (e.g. 9.0), or None where it runs on none."""
+    device = jax.devices()[0]
+    try:
+        return float(device.compute_capability) if device.platform == "gpu" else None
+    except (AttributeError, ValueError):
+        return None
+
+
 # --------------------------------------------------------------------------------------------
 # The call
 # --------------------------------------------------------------------------------------------
@@ -140,6 +155,8 @@ def attention(
         platform=platform or default_platform(), q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[3],
         dtype=jnp.dtype(q.dtype).name, packed=q_segment_ids is not None, causal=bool(causal), interpret=interpret,
     )  # fmt: skip
+    if call.platform == "gpu":
+        call = call._replace(gpu_capability=gpu_capability())
     name = choose(kernel, call)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, causal=causal)  # fmt: skip
@@ -193,9 +210,10 @@ def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bo
 
         tp, block = padded_length(q.shape[1], MAX_BLOCK, 128)
     elif name == "triton":
-        from meshlm.ops.gpu import TRITON_BLOCK, triton_attention as kernel
+        from meshlm.ops.gpu import triton_attention as kernel, triton_block
 
-        tp, block = padded_length(q.shape[1], TRITON_BLOCK, TRITON_BLOCK)
+        size = triton_block(q.dtype, q.shape[-1])
+        tp, block = padded_length(q.shape[1], size, size)
     else:
         from meshlm.ops.gpu import cudnn_attention as kernel
 

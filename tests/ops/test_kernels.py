@@ -26,7 +26,9 @@ def _call(platform, t=4096, dtype="bfloat16", packed=False, head_dim=128, causal
         (_call("tpu"), "splash"),
         (_call("tpu", packed=True, dtype="float32", t=100), "splash"),
         (_call("gpu"), "cudnn"),
-        (_call("gpu", packed=True), "triton"),  # cuDNN's public call has no packed documents
+        (_call("gpu", packed=True), "triton"),  # cuDNN's packed layout needs a Hopper GPU (capability unknown)
+        (_call("gpu", packed=True)._replace(gpu_capability=8.0), "triton"),
+        (_call("gpu", packed=True)._replace(gpu_capability=9.0), "cudnn"),
         (_call("gpu", dtype="float32"), "triton"),  # cuDNN needs 16-bit activations
         (_call("cpu", t=128), "dense"),
         (_call("cpu", t=256), "blockwise"),
@@ -43,7 +45,7 @@ def test_auto_picks_the_backends_kernel(call, expected):
     [
         ("splash", _call("cpu"), "runs on TPU only"),
         ("triton", _call("tpu"), "runs on GPU only"),
-        ("cudnn", _call("gpu", packed=True), "cannot mask packed documents"),
+        ("cudnn", _call("gpu", packed=True)._replace(gpu_capability=8.0), "packed documents (segment ids) on Hopper"),
         ("cudnn", _call("gpu", dtype="float32"), "set --dtype=bfloat16"),
         ("cudnn", _call("gpu", head_dim=192), "head_dim"),
         ("flash", _call("gpu"), "choose one of auto"),
@@ -116,6 +118,21 @@ def test_cudnn_call_equals_blockwise():
     # Through the dispatch in bfloat16, the dtype cuDNN takes.
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     out = kernels.attention(*bf, q_positions=pos, kv_positions=pos, kernel="cudnn", platform="gpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0]), atol=0.05)
+
+
+def test_cudnn_packed_call_equals_blockwise():
+    """With segment ids, cuDNN's call masks packed documents (checked through its XLA twin; on a GPU,
+    tests/ops/test_gpu_kernels.py runs cuDNN's packed layout itself)."""
+    q, k, v, pos, seg, dout = _problem([[60, 40, 28], [100, 28]])
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    ref = _value_and_grads(lambda q, k, v: attn.blockwise_attention(q, k, v, **kw, block_q=128, block_kv=128),
+                           q, k, v, dout)  # fmt: skip
+    got = _value_and_grads(lambda q, k, v: gpu.cudnn_attention(q, k, v, seg, interpret=True), q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]  # through the dispatch, in the dtype cuDNN takes
+    out = kernels.attention(*bf, **kw, kernel="cudnn", platform="gpu", interpret=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0]), atol=0.05)
 
 

@@ -1,0 +1,85 @@
+"""The GPU attention kernels on a real GPU, against the blockwise kernel in float32: cuDNN flash attention
+(causal, grouped queries), cuDNN over packed documents (segment ids as cuDNN's per-document offsets) and
+the Pallas (Triton) kernel, output and gradients. Skipped, with the reason printed, where JAX has no GPU
+(CI): there, tests/ops/test_kernels.py checks the same calls in interpret mode, and the offsets below.
+On a GPU machine: `JAX_PLATFORMS=cuda pytest tests/ops/test_gpu_kernels.py` (tests/conftest.py would
+otherwise pick the CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm.ops import attention as attn
+from meshlm.ops import gpu, kernels
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (JAX's default backend here is not gpu)")
+
+
+def _problem(lengths_per_row, heads=8, kv_heads=2, head_dim=128, seed=0):
+    t, b = sum(lengths_per_row[0]), len(lengths_per_row)
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, t, heads, head_dim), jnp.float32)
+    k = jax.random.normal(ks[1], (b, t, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(ks[2], (b, t, kv_heads, head_dim), jnp.float32)
+    dout = jax.random.normal(ks[3], q.shape, jnp.float32)
+    seg = np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths_per_row]).astype(np.int32)
+    pos = np.stack([np.concatenate([np.arange(n) for n in r]) for r in lengths_per_row]).astype(np.int32)
+    return q, k, v, jnp.asarray(pos), jnp.asarray(seg), dout
+
+
+def _value_and_grads(fn, q, k, v, dout):
+    out, vjp = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))(q, k, v)
+    return (out, *vjp(dout))
+
+
+def _relative_errors(got, ref):
+    return {name: float(jnp.linalg.norm(jnp.asarray(a, jnp.float32) - b) / jnp.linalg.norm(b))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}  # fmt: skip
+
+
+def _reference(q, k, v, pos, seg, dout):
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    return _value_and_grads(lambda q, k, v: kernels.padded_blockwise(q, k, v, **kw), q, k, v, dout)
+
+
+def test_segment_offsets():
+    """Documents start where the id changes; -1 past a row's last; a row over M merges its tail."""
+    seg = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1] * 8, [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+    seqlens, offsets = gpu.segment_offsets(seg, 4)
+    np.testing.assert_array_equal(seqlens, [[3, 2, 3, -1], [8, -1, -1, -1], [1, 1, 1, 5]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1], [0, 1, 2, 3, -1]])
+
+
+@needs_gpu
+def test_cudnn_equals_blockwise_on_gpu():
+    q, k, v, _, _, dout = _problem([[1024], [1024]])
+    pos = jnp.broadcast_to(jnp.arange(1024, dtype=jnp.int32), (2, 1024))
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    ref = _reference(*(x.astype(jnp.float32) for x in bf), pos, None, dout)
+    got = _value_and_grads(lambda q, k, v: gpu.cudnn_attention(q, k, v), *bf, dout.astype(jnp.bfloat16))
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) < 2e-2, errors
+
+
+@needs_gpu
+def test_cudnn_packed_equals_blockwise_on_gpu():
+    q, k, v, pos, seg, dout = _problem([[300, 500, 224], [1024]])
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    ref = _reference(*(x.astype(jnp.float32) for x in bf), pos, seg, dout)
+    got = _value_and_grads(lambda q, k, v: gpu.cudnn_packed_attention(q, k, v, seg), *bf, dout.astype(jnp.bfloat16))
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) < 2e-2, errors
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_equals_blockwise_on_gpu(dtype):
+    q, k, v, pos, seg, dout = _problem([[300, 500, 224], [1024]])
+    xs = [x.astype(dtype) for x in (q, k, v)]
+    ref = _reference(*(x.astype(jnp.float32) for x in xs), pos, seg, dout)
+    got = _value_and_grads(lambda q, k, v: kernels.attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
+                                                            kv_segment_ids=seg, kernel="triton"), *xs, dout.astype(dtype))
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) < (5e-3 if dtype == "float32" else 2e-2), errors
