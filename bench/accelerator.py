@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default="blockwise", help="the kernel it is compared with (none: no baseline run)")
     ap.add_argument("--remat", default="none", help="remat policy of the layers")
     ap.add_argument("--loss_chunk", type=int, default=None, help="positions per loss chunk (default: the model's)")
-    ap.add_argument("--scan_unroll", type=int, default=1, help="layers per iteration of the layer loop")
+    ap.add_argument("--scan_unroll", type=int, default=0,
+                    help="layers per iteration of the layer loop (default 0: the model's auto, all of them on GPU)")
     ap.add_argument("--packed", action="store_true", help="two documents per row (segment ids)")
     ap.add_argument("--top", type=int, default=12, help="ops listed from the profile")
     ap.add_argument("--trace_out", default=None, help="copy the kernel run's trace (.trace.json.gz) to this file")

@@ -50,8 +50,13 @@ class ModelConfig:
     # 0: the whole sequence in one piece.
     loss_chunk: int = 1024
     # Layers per iteration of the training layer loop (a lax.scan): 1 keeps one compiled layer;
-    # n_layers unrolls the loop into straight-line code (longer compiles, no per-layer loop overhead).
-    scan_unroll: int = 1
+    # n_layers unrolls the loop into straight-line code (longer compiles, no per-layer loop overhead);
+    # 0: auto, n_layers on GPU (8 llama3-8b layers on an H200: 9% faster, 13 GiB less), 1 elsewhere.
+    scan_unroll: int = 0
+    # cuDNN attention over packed documents (GPU): the most documents one row holds. Its workspace grows
+    # with it ([rows x max_documents, T, heads, head_dim] float32); in a row with more, the documents
+    # from the max_documents-th on attend to each other (`meshlm train` warns when a batch has one).
+    max_documents: int = 8
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -66,8 +71,10 @@ class ModelConfig:
                 raise UsageError(f"--model.{name}={getattr(self, name)} must be a positive integer")
         if self.loss_chunk < 0:
             raise UsageError(f"--model.loss_chunk={self.loss_chunk}: give positions per loss chunk, or 0 for none")
-        if self.scan_unroll < 1:
-            raise UsageError(f"--model.scan_unroll={self.scan_unroll}: give layers per loop iteration, 1 or more")
+        if self.scan_unroll < 0:
+            raise UsageError(f"--model.scan_unroll={self.scan_unroll}: give layers per loop iteration, or 0 for auto")
+        if self.max_documents < 1:
+            raise UsageError(f"--model.max_documents={self.max_documents} must be a positive integer")
         if self.n_heads % self.n_kv_heads:
             raise UsageError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "

@@ -122,7 +122,7 @@ class Attention(nnx.Module):
         k, v = sharding.constrain(k, axes.KEYS), sharding.constrain(v, axes.KEYS)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))
         if cache is None:
-            out = attend(q, k, v, positions, segment_ids, kernel=self.cfg.attention)
+            out = attend(q, k, v, positions, segment_ids, kernel=cfg.attention, max_documents=cfg.max_documents)
         else:
             k, v = cache.write(k, v, positions)
             rows, length = cache.kv_positions.shape
@@ -154,7 +154,18 @@ class LayerCache(NamedTuple):
         return sharding.constrain(k, axes.KV_CACHE), sharding.constrain(v, axes.KV_CACHE)
 
 
-def attend(q, k, v, positions, segment_ids, kernel: str = "auto"):
+def scan_unroll(cfg: ModelConfig, count: int) -> int:
+    """Layers per iteration of a loop over `count` layers: `cfg.scan_unroll`, or for 0 (auto) all of
+    them on GPU (the loop's per-layer copies of its stacked residuals cost more there than the longer
+    compile) and one elsewhere (TPU and CPU keep one compiled layer)."""
+    if cfg.scan_unroll:
+        return max(1, min(cfg.scan_unroll, count))
+    found = sharding.kernel_layout()
+    platform = found.platform if found is not None else kernels.default_platform()
+    return count if platform == "gpu" else 1
+
+
+def attend(q, k, v, positions, segment_ids, kernel: str = "auto", max_documents: int = 8):
     """Causal attention: RingAttention when `length` is sharded, else the `kernel` (`--attention`) that
     `meshlm.ops.kernels` runs for the platform of the active mesh (auto: splash on TPU, cuDNN or Triton
     on GPU, dense below 1024 tokens and blockwise from there on CPU)."""
@@ -168,9 +179,10 @@ def attend(q, k, v, positions, segment_ids, kernel: str = "auto"):
     # gives the layout the fused kernels run per shard in.
     found = sharding.kernel_layout()
     if found is None:
-        return kernels.attention(q, k, v, **kw, kernel=kernel)
+        return kernels.attention(q, k, v, **kw, kernel=kernel, max_documents=max_documents)
     layout = kernels.Layout(mesh=found.mesh, q_spec=found.q_spec, kv_spec=found.kv_spec, seq_spec=found.seq_spec)
-    return kernels.attention(q, k, v, **kw, kernel=kernel, platform=found.platform, layout=layout)
+    return kernels.attention(q, k, v, **kw, kernel=kernel, platform=found.platform, layout=layout,
+                             max_documents=max_documents)  # fmt: skip
 
 
 class MLP(nnx.Module):
@@ -267,8 +279,7 @@ class Llama(nnx.Module):
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         stacked = own if layers is None else layers
-        count = jax.tree.leaves(stacked)[0].shape[0]
-        return jax.lax.scan(layer, x, stacked, unroll=max(1, min(self.cfg.scan_unroll, count)))
+        return jax.lax.scan(layer, x, stacked, unroll=scan_unroll(self.cfg, jax.tree.leaves(stacked)[0].shape[0]))
 
     def head(self, x, params=None):
         """Final norm and output projection: float32 logits [B, T, V]. `params`: a tree with `final_norm`

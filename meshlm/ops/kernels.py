@@ -30,6 +30,7 @@ how their numerics are tested on CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -145,11 +146,13 @@ def gpu_capability() -> float | None:
 def attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True,
     kernel: str = "auto", platform: str | None = None, layout: Layout | None = None, interpret: bool = False,
+    max_documents: int = 8,
 ):  # fmt: skip
     """Attention by the kernel `choose` picks for `platform` (default: where JAX runs): [B,T,H,D] out.
 
     See the module docstring; the fused kernels read only `q_segment_ids` (self-attention) and no
-    positions. `layout`: the arrays' mesh and specs, for the kernels XLA cannot partition."""
+    positions. `layout`: the arrays' mesh and specs, for the kernels XLA cannot partition.
+    `max_documents`: the most documents a row holds, for cuDNN's packed layout (`gpu.segment_offsets`)."""
     attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     call = Call(
         platform=platform or default_platform(), q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[3],
@@ -172,7 +175,7 @@ def attention(
                                     kv_segment_ids=kv_seg, causal=causal)
 
         return _per_shard(local, args, layout, check_vma=True)
-    return _fused(name, q, k, v, q_segment_ids, layout, interpret)
+    return _fused(name, q, k, v, q_segment_ids, layout, interpret, max_documents)
 
 
 def padded_blockwise(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True):
@@ -203,7 +206,7 @@ def _pad(x, length: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool):
+def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool, max_documents: int = 8):
     """Run one of the fused kernels on lengths padded to its blocks, per shard under a mesh."""
     if name == "splash":
         from meshlm.ops.splash import MAX_BLOCK, splash_attention as kernel
@@ -215,8 +218,9 @@ def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bo
         size = triton_block(q.dtype, q.shape[-1])
         tp, block = padded_length(q.shape[1], size, size)
     else:
-        from meshlm.ops.gpu import cudnn_attention as kernel
+        from meshlm.ops.gpu import cudnn_attention
 
+        kernel = functools.partial(cudnn_attention, max_documents=max_documents)
         tp, block = q.shape[1], None
     # Causal masking keeps the padded keys (after every real query) unseen; padded queries are dropped.
     t = q.shape[1]

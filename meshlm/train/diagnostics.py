@@ -121,3 +121,35 @@ class StepProfiler:
 
 
 __all__ = ["NonFinite", "NonFiniteWatch", "StepProfiler"]
+
+
+class DocumentsWatch:
+    """Warns once when a batch has a row with more documents than cuDNN's packed attention keeps apart
+    (`--model.max_documents`: the documents from that one on attend to each other), where the job runs
+    that kernel (GPU, Hopper or later, length not split over sp). Reads the host batch: the last segment
+    id of a row is its number of documents."""
+
+    def __init__(self, model_cfg, seq_len: int, *, ring: bool, platform: str, gpu_capability: float | None):
+        from meshlm.errors import UsageError
+        from meshlm.ops import kernels
+
+        call = kernels.Call(platform=platform, q_len=seq_len, kv_len=seq_len, head_dim=model_cfg.head_dim,
+                            dtype=model_cfg.dtype, packed=True, causal=True, gpu_capability=gpu_capability)  # fmt: skip
+        try:
+            chosen = kernels.choose(model_cfg.attention, call)
+        except UsageError:  # a kernel forced for packed rows that cannot serve them: the step says so
+            chosen = None
+        self.limit = model_cfg.max_documents if chosen == "cudnn" and not ring else None
+        self.warned = False
+
+    def check(self, batch: dict) -> str | None:
+        """The warning for this host batch, the first time one is due; else None."""
+        if self.limit is None or self.warned:
+            return None
+        documents = int(batch["segment_ids"][:, -1].max())
+        if documents <= self.limit:
+            return None
+        self.warned = True
+        return (f"warning: a row holds {documents} documents, more than --model.max_documents={self.limit}: "
+                f"cuDNN's packed attention lets its documents from number {self.limit} on attend to each other; "
+                f"raise --model.max_documents (its workspace grows with it) or use --attention=triton")

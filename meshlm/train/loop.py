@@ -78,7 +78,8 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     from meshlm.train import metrics as M, report
     from meshlm.config import profile_range
     from meshlm.train.console import plural, run_console
-    from meshlm.train.diagnostics import NonFiniteWatch, StepProfiler
+    from meshlm.ops.kernels import gpu_capability
+    from meshlm.train.diagnostics import DocumentsWatch, NonFiniteWatch, StepProfiler
     from meshlm.train.evaluate import Evaluator, eval_steps
     from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
@@ -213,10 +214,15 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     saved_at = first_step - 1
     watch, diverged = NonFiniteWatch(), None  # the first NaN/Inf loss or gradient norm ends the run
     profiler = StepProfiler(profile_range(cfg.profile_steps) if cfg.profile_steps else None, out / "profile", is_main)
+    documents = DocumentsWatch(model_cfg, cfg.seq_len, ring=shape.sp > 1, platform=jax.devices()[0].platform,
+                               gpu_capability=gpu_capability())  # fmt: skip
     with stop, M.TrainProgress(cfg.steps, enabled=is_main, console=console) as progress:
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(first_step, cfg.steps + 1):
-            batch = put_batch(placement, next(loader), perm)
+            host_batch = next(loader)
+            if (warning := documents.check(host_batch)) and is_main:
+                console.print(warning)
+            batch = put_batch(placement, host_batch, perm)
             if line := profiler.before(step, first_step):
                 console.print(line)
             t0 = time.perf_counter()

@@ -1,0 +1,47 @@
+"""`--model.scan_unroll`: the layer loop unrolled gives the scanned loop's loss and gradients; auto (0)
+unrolls on GPU only; bad values are refused in one line."""
+
+import jax
+import numpy as np
+import pytest
+
+from meshlm.errors import UsageError
+from meshlm.models import llama
+from meshlm.models.configs import resolve_model
+from meshlm.models.placement import place
+from meshlm.train.step import loss_sums
+from tests.models.test_loss import _batch
+from tests.support.training import mesh_for
+
+
+def _loss_and_grads(cfg, params, batch):
+    placement = place(cfg, mesh_for("1,1,1,1"))
+    return jax.jit(jax.value_and_grad(lambda p: loss_sums(placement, p, batch), has_aux=True))(params)
+
+
+def test_unrolled_layers_equal_the_scanned_loop():
+    cfg = resolve_model("test", {"n_layers": "3"}).replace(dtype="float32", scan_unroll=1)
+    batch = _batch(cfg)
+    params = place(cfg, mesh_for("1,1,1,1")).init(0)
+    ((want, _), want_grads) = _loss_and_grads(cfg, params, batch)
+    for unroll in (2, 3):  # two per iteration (3 layers: one iteration of two, one of one) and all
+        ((got, _), grads) = _loss_and_grads(cfg.replace(scan_unroll=unroll), params, batch)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_auto_unrolls_on_gpu_only(monkeypatch):
+    cfg = resolve_model("test", {"n_layers": "4"})
+    assert cfg.scan_unroll == 0
+    assert llama.scan_unroll(cfg, 4) == 1  # these tests run on CPU devices
+    monkeypatch.setattr(llama.kernels, "default_platform", lambda: "gpu")
+    assert llama.scan_unroll(cfg, 4) == 4
+    assert llama.scan_unroll(cfg.replace(scan_unroll=2), 4) == 2
+    assert llama.scan_unroll(cfg.replace(scan_unroll=9), 4) == 4
+
+
+@pytest.mark.parametrize("field, value", [("scan_unroll", "-1"), ("max_documents", "0")])
+def test_bad_values_are_refused(field, value):
+    with pytest.raises(UsageError, match=f"{field}={value}"):
+        resolve_model("test", {field: value})
