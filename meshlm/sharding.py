@@ -346,6 +346,13 @@ def kernel_layout() -> KernelLayout | None:
     )
 
 
+def active_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices the model is traced for: the active mesh's
+    (a TPU topology compiled on a CPU host is "tpu"), else that of the devices JAX runs on."""
+    active = _ACTIVE.get()
+    return (active.mesh.devices.flat[0] if active is not None else jax.devices()[0]).platform
+
+
 def describe_specs(specs: Any) -> list[tuple[str, str]]:
     """(path, PartitionSpec) rows for logs and tests."""
     rows = []
@@ -357,5 +364,5 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 __all__ = [
     "Strategy", "for_decoding", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
-    "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "describe_specs",
+    "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "active_platform", "describe_specs",
 ]

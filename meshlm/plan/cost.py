@@ -147,7 +147,8 @@ def rated_operators(rows: dict[str, tuple[str, float]], job: Job, shape: MeshSha
                     collectives: list[comms.Collective], ring_loops: float = 0) -> list[Operator]:
     """One `Operator` per row (name -> (notation, FLOPs)) with its collectives, times and intensity.
 
-    Matmuls run at the hardware's efficiency for the device's rows; with sp, attention also pays the
+    Matmuls run at the hardware's efficiency for the device's rows, attention at its kernel's
+    (`Hardware.attention_efficiency`); with sp, attention also pays the
     hardware's `ring_step_s` for each of the sp steps of each of its `ring_loops` ring loops per step."""
     loc = job.local(shape)
     ops = []
@@ -156,6 +157,8 @@ def rated_operators(rows: dict[str, tuple[str, float]], job: Job, shape: MeshSha
         op.compute_s = flops / hw.peak_flops(job.cfg.dtype)
         if name in ROW_MATMULS:
             op.compute_s /= hw.matmul_efficiency(loc.tokens)
+        if name == "attention":
+            op.compute_s /= hw.attention_efficiency
         if name == "attention" and shape.sp > 1:
             op.compute_s += hw.ring_step_s * shape.sp * ring_loops
         _rate(op, shape, hw, loc)

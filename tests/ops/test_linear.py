@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshlm.ops import linear as linear_module
 from meshlm.ops.linear import linear
 
 # Every projection of the model (meshlm.models.llama, meshlm.models.loss) with its weight's shape.
@@ -43,7 +44,11 @@ def test_float32_is_plain_autodiff(spec):
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("out", [None, jnp.float32])
-def test_bfloat16_value_and_gradients(spec, out):
+@pytest.mark.parametrize("cpu_float32", [True, False], ids=["cpu", "gpu_tpu"])
+def test_bfloat16_value_and_gradients(spec, out, cpu_float32, monkeypatch):
+    """On CPU (these tests) w's gradient leaves its matmul in float32; `cpu_float32=False` is what GPU
+    and TPU get: the output's dtype."""
+    monkeypatch.setattr(linear_module, "CPU_FLOAT32_WEIGHT_GRADIENTS", cpu_float32)
     x, w, kg = _inputs(*SPECS[spec], jnp.bfloat16)
     y, vjp = jax.vjp(lambda x, w: linear(spec, x, w, out=out), x, w)
     y0, vjp0 = jax.vjp(lambda x, w: _plain(spec, x, w, out), x, w)
@@ -55,12 +60,13 @@ def test_bfloat16_value_and_gradients(spec, out):
     # x's gradient: autodiff's matmul in the compute dtype (bfloat16 rounding apart).
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx0, np.float32), rtol=1e-2, atol=1e-2)
     # The weight's gradient is the product of x and the cotangent in the output's dtype: float32
-    # products of the bfloat16 operands with `out=float32` (the output head), else rounded to bfloat16.
+    # products of the bfloat16 operands with `out=float32` (the output head) or on CPU, else rounded
+    # to bfloat16.
     xs, rest = spec.split(",")
     ws, ys = rest.split("->")
     exact = jnp.einsum(f"{xs},{ys}->{ws}", x.astype(jnp.float32), g.astype(jnp.bfloat16).astype(jnp.float32),
                        precision="highest")
-    if out:
+    if out or cpu_float32:
         np.testing.assert_allclose(dw, exact, rtol=1e-5, atol=1e-5)
     else:  # within bfloat16's rounding of the exact product, and bfloat16 values
         rounding = np.abs(exact.astype(jnp.bfloat16).astype(jnp.float32) - exact)

@@ -20,7 +20,8 @@ def test_matmul_efficiency_interpolates_in_log_rows_and_holds_flat_outside():
     assert hw.matmul_efficiency(64) == 0.5
     assert hw.matmul_efficiency(128) == pytest.approx(0.7)  # halfway in log2 between 64 and 256
     assert hw.matmul_efficiency(4096) == 0.9
-    assert CATALOG["h100"].matmul_efficiency(1) == 1.0  # nothing measured: the peak
+    assert CATALOG["a100"].matmul_efficiency(1) == 1.0  # nothing measured: the peak
+    assert CATALOG["h100"].matmul_efficiency(1) == CATALOG["h200"].matmul_efficiency(8192) == 0.712  # Hopper
 
 
 def test_probes_measure_simulated_devices():
@@ -34,7 +35,7 @@ def test_probes_measure_simulated_devices():
 
 def test_step_time_charges_latency_per_collective_and_row_efficiency_per_matmul():
     shape = MeshShape(1, 4, 2, 1)
-    base = replace(CATALOG["h100"], name="cpu")  # a CPU-like entry: nothing overlaps
+    base = replace(CATALOG["h100"], name="cpu", matmul_rows=(), attention_efficiency=1.0)  # CPU-like: nothing overlaps
     plain = search.evaluate(JOB, shape, base)
     slow = search.evaluate(JOB, shape, replace(base, collective_latency=1e-3))
     count = sum(c.count for c in plain.collectives)
@@ -48,6 +49,11 @@ def test_step_time_charges_latency_per_collective_and_row_efficiency_per_matmul(
         factor = 2.0 if op.name in cost.ROW_MATMULS else 1.0
         assert op.compute_s == pytest.approx(by_name[op.name].compute_s * factor), op.name
     assert half.time.step_s > plain.time.step_s
+
+    slow_attention = search.evaluate(JOB, shape, replace(base, attention_efficiency=0.25))
+    for op in slow_attention.operators:
+        factor = 4.0 if op.name == "attention" else 1.0
+        assert op.compute_s == pytest.approx(by_name[op.name].compute_s * factor), op.name
 
 
 def test_fewer_rows_per_device_cost_more_where_the_probe_says_so():
