@@ -26,8 +26,10 @@ _PROJECTIONS = {
 }
 EINSUMS = {spec: what for projection, what in _PROJECTIONS.items()
            for spec in (projection, *gradient_specs(projection))}
-# Primitives without an einsum of their own, by where they sit (inside the layer scan or outside).
-IN_LAYERS = {"dot_general": "mlp (gate, up, down)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
+# Primitives without an einsum of their own, by where they sit (inside the layer scan or outside). Every
+# projection is a named einsum above, so a bare matmul inside the layers is attention's own (the
+# kernels' score and value products, whose einsums are not listed).
+IN_LAYERS = {"dot_general": "attention matmuls (scores, values)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
              "reduce_max": "attention softmax"}
 OUTSIDE = {"dot_general": "lm_head", "mul": "final norm scale", "gather": "embed lookup", "scatter-add": "embed",
            "reduce_max": "loss softmax", "reduce_sum": "loss sums",

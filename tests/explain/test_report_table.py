@@ -11,7 +11,7 @@ from meshlm.explain.names import readable
 def test_op_names_read_as_the_model():
     assert readable("transpose(jvp())/while/body/closed_call/bte,ekd->btkd/dot_general") == \
         "backward of layers/attn k, v projection (wk, wv)"
-    assert readable("jvp()/while/body/closed_call/dot_general") == "forward of layers/mlp (gate, up, down)"
+    assert readable("jvp()/while/body/closed_call/dot_general") == "forward of layers/attention matmuls (scores, values)"
     assert readable("transpose(jvp(bte,ev->btv))/dot_general") == "backward of lm_head"
     assert readable("jvp(jit(_take))/gather") == "forward of embed lookup"
     fused = readable("transpose(jvp())/while/body/closed_call/(bte,ekd->btkd/dot_general:bthd,hde->bte/dot_general)")
@@ -31,10 +31,10 @@ REPORT = {
     "memory": {"params+opt_state": 10, "grads": 5, "grads_from": "compiled", "total": 15, "n_params": 32,
                "data_devices": 4},
     "collectives": [
-        row("all-gather", ["fsdp"], 100, 2, "forward of layers/mlp (gate, up, down)"),
+        row("all-gather", ["fsdp"], 100, 2, "forward of layers/attention matmuls (scores, values)"),
         row("all-reduce", ["tp"], 10, 3, "forward of layers/attn output projection (wo)"),
-        row("all-reduce", ["fsdp"], 500, 1, "backward of layers/mlp (gate, up, down)"),
-        row("all-gather", ["fsdp"], 50, 2, "backward of layers/mlp (gate, up, down)"),
+        row("all-reduce", ["fsdp"], 500, 1, "backward of layers/attention matmuls (scores, values)"),
+        row("all-gather", ["fsdp"], 50, 2, "backward of layers/attention matmuls (scores, values)"),
     ],
     "boundaries": [], "picture": "",
 }
