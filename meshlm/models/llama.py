@@ -160,12 +160,10 @@ def scan_unroll(cfg: ModelConfig, count: int) -> int:
     compile) and one elsewhere (TPU and CPU keep one compiled layer)."""
     if cfg.scan_unroll:
         return max(1, min(cfg.scan_unroll, count))
-    found = sharding.kernel_layout()
-    platform = found.platform if found is not None else kernels.default_platform()
-    return count if platform == "gpu" else 1
+    return count if sharding.active_platform() == "gpu" else 1
 
 
-def attend(q, k, v, positions, segment_ids, kernel: str = "auto", max_documents: int = 8):
+def attend(q, k, v, positions, segment_ids, kernel: str = "auto", max_documents: int = kernels.MAX_DOCUMENTS):
     """Causal attention: RingAttention when `length` is sharded, else the `kernel` (`--attention`) that
     `meshlm.ops.kernels` runs for the platform of the active mesh (auto: splash on TPU, cuDNN or Triton
     on GPU, dense below 1024 tokens and blockwise from there on CPU)."""

@@ -21,6 +21,9 @@ import jax
 import jax.numpy as jnp
 
 TRITON_BLOCK = 128  # the Triton kernel's forward block (queries and keys); lengths are padded to it
+# cuDNN's packed layout: the most documents one row holds, unless the caller says (`--model.max_documents`,
+# whose default this is; see `cudnn_packed_attention` for what it costs).
+MAX_DOCUMENTS = 8
 
 
 def triton_block(dtype, head_dim: int) -> int:
@@ -30,7 +33,7 @@ def triton_block(dtype, head_dim: int) -> int:
 
 
 def cudnn_attention(q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True,
-                    interpret: bool = False, max_documents: int = 8):
+                    interpret: bool = False, max_documents: int = MAX_DOCUMENTS):
     """cuDNN flash attention (scale 1/sqrt(D)); with `segment_ids`, over packed documents
     (`cudnn_packed_attention`). `block` is not used. `interpret`: the same masks through XLA."""
     del block
@@ -87,7 +90,7 @@ def segment_offsets(segment_ids, max_segments: int):
     return seqlens, offsets
 
 
-def cudnn_packed_attention(q, k, v, segment_ids, *, max_segments: int = 8, causal: bool = True):
+def cudnn_packed_attention(q, k, v, segment_ids, *, max_segments: int = MAX_DOCUMENTS, causal: bool = True):
     """cuDNN flash attention over packed documents (Hopper and later): the rows' documents, read from
     `segment_ids` [B, T], are passed as cuDNN's packed layout (per-document lengths and offsets), each
     attending causally within itself. Runs on a GPU only (no XLA twin).

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 from meshlm.config import ATTENTION as KERNELS
 from meshlm.errors import UsageError
 from meshlm.ops import attention as attn
+from meshlm.ops.gpu import MAX_DOCUMENTS
 
 # `auto` on CPU: dense attention below this many tokens, blockwise from here on. Dense attention's backward
 # keeps the [T, S] probabilities; from 256 tokens the blockwise kernel's recompute is faster on XLA:CPU
@@ -146,7 +147,7 @@ def gpu_capability() -> float | None:
 def attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True,
     kernel: str = "auto", platform: str | None = None, layout: Layout | None = None, interpret: bool = False,
-    max_documents: int = 8,
+    max_documents: int = MAX_DOCUMENTS,
 ):  # fmt: skip
     """Attention by the kernel `choose` picks for `platform` (default: where JAX runs): [B,T,H,D] out.
 
@@ -206,7 +207,7 @@ def _pad(x, length: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool, max_documents: int = 8):
+def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool, max_documents: int):
     """Run one of the fused kernels on lengths padded to its blocks, per shard under a mesh."""
     if name == "splash":
         from meshlm.ops.splash import MAX_BLOCK, splash_attention as kernel

@@ -120,9 +120,6 @@ class StepProfiler:
         return f"profile written to {where} (open {self.directory} in TensorBoard's profile tab, or the trace in Perfetto)"
 
 
-__all__ = ["NonFinite", "NonFiniteWatch", "StepProfiler"]
-
-
 class DocumentsWatch:
     """Warns once when a batch has a row with more documents than cuDNN's packed attention keeps apart
     (`--model.max_documents`: the documents from that one on attend to each other), where the job runs
@@ -153,3 +150,6 @@ class DocumentsWatch:
         return (f"warning: a row holds {documents} documents, more than --model.max_documents={self.limit}: "
                 f"cuDNN's packed attention lets its documents from number {self.limit} on attend to each other; "
                 f"raise --model.max_documents (its workspace grows with it) or use --attention=triton")
+
+
+__all__ = ["NonFinite", "NonFiniteWatch", "StepProfiler", "DocumentsWatch"]

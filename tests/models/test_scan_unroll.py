@@ -35,7 +35,7 @@ def test_auto_unrolls_on_gpu_only(monkeypatch):
     cfg = resolve_model("test", {"n_layers": "4"})
     assert cfg.scan_unroll == 0
     assert llama.scan_unroll(cfg, 4) == 1  # these tests run on CPU devices
-    monkeypatch.setattr(llama.kernels, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(llama.sharding, "active_platform", lambda: "gpu")
     assert llama.scan_unroll(cfg, 4) == 4
     assert llama.scan_unroll(cfg.replace(scan_unroll=2), 4) == 2
     assert llama.scan_unroll(cfg.replace(scan_unroll=9), 4) == 4

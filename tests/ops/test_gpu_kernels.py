@@ -10,28 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.ops import attention as attn
 from meshlm.ops import gpu, kernels
+from tests.ops.test_splash import _problem as _splash_problem, _value_and_grads
+
+
+def _problem(lengths_per_row):
+    """q, k, v, positions, segment ids, cotangent at a GPU-sized head: 8 query / 2 kv heads of 128."""
+    return _splash_problem(lengths_per_row, heads=8, kv_heads=2, head_dim=128)
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (JAX's default backend here is not gpu)")
-
-
-def _problem(lengths_per_row, heads=8, kv_heads=2, head_dim=128, seed=0):
-    t, b = sum(lengths_per_row[0]), len(lengths_per_row)
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, t, heads, head_dim), jnp.float32)
-    k = jax.random.normal(ks[1], (b, t, kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(ks[2], (b, t, kv_heads, head_dim), jnp.float32)
-    dout = jax.random.normal(ks[3], q.shape, jnp.float32)
-    seg = np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths_per_row]).astype(np.int32)
-    pos = np.stack([np.concatenate([np.arange(n) for n in r]) for r in lengths_per_row]).astype(np.int32)
-    return q, k, v, jnp.asarray(pos), jnp.asarray(seg), dout
-
-
-def _value_and_grads(fn, q, k, v, dout):
-    out, vjp = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))(q, k, v)
-    return (out, *vjp(dout))
 
 
 def _relative_errors(got, ref):
