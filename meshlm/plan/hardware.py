@@ -52,6 +52,10 @@ class Hardware:
     matmul_rows: tuple[tuple[int, float], ...] = ()  # measured (rows per device, fraction of peak); () = peak
     ring_step_s: float = 0.0  # seconds each step of a RingAttention loop costs beyond its FLOPs and collectives
     attention_efficiency: float = 1.0  # the fraction of peak the attention kernel runs at (1: not measured)
+    # On-chip memory (TPU VMEM) in which the compiler keeps temporaries of the step that would otherwise sit in
+    # HBM at its peak, as calibrated against compiled programs (`meshlm.plan.memory`); 0 where the compiled
+    # peak is not lowered that way or was not measured.
+    onchip_bytes: float = 0.0
 
     def matmul_efficiency(self, rows: float) -> float:
         """The fraction of peak a matmul of `rows` rows per device runs at: measured points of
@@ -118,10 +122,19 @@ def _gpu(name, kind, hbm, hbm_bw, nvlink, ib, source, **measured) -> Hardware:
 HOPPER = dict(matmul_rows=((8192, 0.712),), attention_efficiency=0.378)
 
 
-def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source) -> Hardware:
+def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source, onchip=0.0) -> Hardware:
     bf16, fp32 = _peaks(kind)
     return Hardware(name, bf16, fp32, hbm, hbm_bw, 2 * ici_link, dcn_per_chip, fast_domain=pod,
-                    devices_per_host=per_host, fast_name="ICI", slow_name="DCN", source=source)
+                    devices_per_host=per_host, fast_name="ICI", slow_name="DCN", source=source, onchip_bytes=onchip)
+
+
+# On-chip memory for the step's temporaries (docs/plan.md, "Accuracy on TPU"). XLA:TPU's memory-space
+# assignment gets each TensorCore's VMEM less what it keeps for kernels' scratch: on v5e 112 MiB of
+# 128 MiB (the VMEM it allots: 111.0 to 112.0 MiB in the `small` and `1b` compiles, 107.2 with sp;
+# libtpu 0.0.50.1), and there it takes what the HBM peak would hold. On v5p (64 MiB of VMEM, 47 MiB allotted)
+# it does not lower the peak (`small` tp: 385.3 MB with the assignment, 388.4 MB without) and v6e's
+# (96 MiB allotted) lowers some meshes' peaks and not others' (not modelled); v4 is not measured.
+V5E_ONCHIP = 112 * 2**20
 
 
 CATALOG: dict[str, Hardware] = {
@@ -145,7 +158,8 @@ CATALOG: dict[str, Hardware] = {
     # "How to Scale Your Model" (Austin et al., 2025), TPU chapter, for ICI one-way bandwidth per link
     # and DCN (~25 GB/s per host for v4/v5p; v5e hosts 2 x 100 Gb/s, v6e hosts 4 x 200 Gb/s NICs).
     "tpu-v4": _tpu("tpu-v4", "TPU v4", 32e9, 1.2e12, 45e9, 25e9 / 4, 4096, 4, "Cloud TPU v4 docs; scaling book"),
-    "tpu-v5e": _tpu("tpu-v5e", "TPU v5 lite", 16e9, 8.1e11, 45e9, 25e9 / 8, 256, 8, "Cloud TPU v5e docs; scaling book"),
+    "tpu-v5e": _tpu("tpu-v5e", "TPU v5 lite", 16e9, 8.1e11, 45e9, 25e9 / 8, 256, 8, "Cloud TPU v5e docs; scaling book",
+                    onchip=V5E_ONCHIP),
     "tpu-v5p": _tpu("tpu-v5p", "TPU v5p", 95e9, 2.76e12, 90e9, 25e9 / 4, 8960, 4, "Cloud TPU v5p docs; scaling book"),
     "tpu-v6e": _tpu("tpu-v6e", "TPU v6 lite", 32e9, 1.64e12, 90e9, 100e9 / 8, 256, 8,
                     "Cloud TPU v6e (Trillium) docs; scaling book; MaxText sharding guide"),

@@ -38,6 +38,11 @@ estimate and the state, gradients and activations as the firm part. Peak memory 
 batch plus the larger place, the figure `compiled.memory_analysis()` gives as argument + output -
 alias + temp bytes.
 
+On-chip memory. Where the hardware's compiler keeps temporaries in on-chip memory instead of HBM
+(`Hardware.onchip_bytes`: TPU v5e's VMEM), each place holds up to that much less in HBM, and a third
+place, the loss, bounds the peak from below: what stays in HBM when the rest of the working set is on
+chip (see `onchip_eligible` and `LOSS_PLACE`).
+
 Meshes without pipeline stages only: `meshlm.plan.pipeline` estimates pp > 1 (on top of this module's
 terms), and `meshlm.plan.estimate` picks one or the other.
 """
@@ -47,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm.mesh import MeshShape
+from meshlm.plan.hardware import CATALOG
 from meshlm.plan.job import Job, Local
 from meshlm.plan.state_bytes import state_bytes
 
@@ -70,8 +76,9 @@ from meshlm.plan.state_bytes import state_bytes
 # v5p compiles (5 shapes × the 5 meshes of the table, none of them the table's cases), starting from
 # XLA:CPU's with the tables at half (XLA:TPU gathers the head in bfloat16, docs/plan.md) and the hoisted
 # cast; XLA:CPU's `lookup` correction is left out (the fit is as good without it).
-# v5e and v6e compile the same program with the same buffers; from the same sizes they keep less of a
-# small program's temporaries in HBM (docs/plan.md, "Accuracy on TPU"). GPUs and pipelines keep XLA:CPU's.
+# v5e compiles the same program with the same buffers (with memory-space assignment turned off, `small`
+# tp's temporaries are 388.3 MB on v5e and 388.4 MB on v5p, `tiny` tp's 47.1 and 46.2 MB) and keeps part
+# of them in on-chip memory (`onchip_eligible`, `LOSS_PLACE`). GPUs and pipelines keep XLA:CPU's.
 PLACES = {
     "cpu": {
         "forward": {"tables": 3.98, "lookup": -2.0, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10,
@@ -88,10 +95,59 @@ PLACES = {
 }
 
 
+# On TPU v5e (`Hardware.onchip_bytes`, 112 MiB) XLA:TPU's memory-space assignment moves into VMEM what the
+# HBM peak would hold, up to that size. From the same program (the same `PLACES["tpu"]` sizes), the
+# compiled v5e step against v5p's (docs/plan.md, "Accuracy on TPU"; buffer assignments of libtpu 0.0.50.1
+# dumped with --xla_dump_to, layouts `S(1)` in the HLO):
+#   - `tiny` without sp: the whole working set is on chip (the VMEM allotment holds 27 to 52 MiB: the
+#     logits, the layer scan's saved activations, the gradient accumulators, the weights cast to bfloat16);
+#     HBM keeps the splash kernel's float32 residuals (2 MiB) and the heap's slack, 5.6 to 10.4 MB of
+#     temporaries where v5p's are 34 to 73 MB;
+#   - `small` and `1b`: the allotment is full (107 to 112 MiB) and HBM keeps what does not fit. `small`
+#     peaks at the loss with the float32 logits (125 MiB, more than VMEM), the head's float32 gradient, the
+#     gathered head and the cast weights in HBM, the saved activations (72 MiB with tp) on chip; `1b` where
+#     the backward pass starts, with the float32 gradient accumulators and the cast weights in HBM.
+# So each place holds `min(onchip, eligible)` less in HBM, eligible being all of its buffers; with sp, only
+# the ring's score blocks and the saved activations beyond one copy: `tiny` fsdp×sp peaks at 55 to 58 MB
+# at every shape and its allotment holds 24 MiB (the buffers live across the ring's loop stay in HBM),
+# and with `save_qkv_attn` it peaks 9.7 MB higher than with `full`, for 8.5 MB more saved activations.
+def onchip_eligible(held: dict[str, int], exact: dict[str, int], shape: MeshShape) -> int:
+    """Bytes of one place's buffers (`held`: term -> bytes) that on-chip memory can take from HBM."""
+    if shape.sp == 1:
+        return sum(held.values())
+    return held.get("scores", 0) + max(0, held.get("activations", 0) - exact["activations"])
+
+
+# The loss place, on hardware with on-chip memory only: a floor under the places above once they have
+# moved their buffers on chip, sized by the buffers v5e's step keeps in HBM at the loss. In `small` those
+# are the float32 logits (all of them: more than VMEM), the head's float32 gradient and the gathered head,
+# and the forward place less its on-chip share is larger. In `tiny` none of them is in HBM: the floor
+# stands for its residuals and heap slack, and is a fit (these two sizes bound them on every mesh).
+# Fitted by `python bench/plan_tpu.py --fit --hardware=tpu-v5e` to the 25 v5e compiles of the fit set (the
+# places above fixed, `onchip_bytes` measured): the smallest coefficients within 0.3% of the best worst
+# error; 9.3% over the fit set.
+LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
+
+
+# JAX's device kinds of the catalog's TPUs (`meshlm.plan.hardware.CATALOG`).
+TPU_KINDS = {"tpu v4": "tpu-v4", "tpu v5 lite": "tpu-v5e", "tpu v5e": "tpu-v5e", "tpu v5": "tpu-v5p",
+             "tpu v5p": "tpu-v5p", "tpu v6 lite": "tpu-v6e", "tpu v6e": "tpu-v6e"}
+
+
 def compiler_for(hardware: str) -> str:
-    """The `PLACES` entry for a hardware catalog name (`tpu-v5p`) or a JAX device kind (`TPU v5 lite`):
-    the compiler whose buffer assignment was fitted. TPUs get XLA:TPU's; GPUs get XLA:CPU's."""
-    return "tpu" if hardware.strip().lower().startswith("tpu") else "cpu"
+    """The compiler whose buffer assignment was fitted, for a hardware catalog name (`tpu-v5p`) or a JAX
+    device kind (`TPU v5 lite`): "cpu" (XLA:CPU's `PLACES`, also for GPUs), "tpu" (XLA:TPU's), or the
+    catalog name of a TPU with on-chip memory for temporaries ("tpu-v5e": XLA:TPU's with `onchip_bytes`)."""
+    name = hardware.strip().lower()
+    if not name.startswith("tpu"):
+        return "cpu"
+    key = TPU_KINDS.get(name, name)
+    return key if key in CATALOG and CATALOG[key].onchip_bytes else "tpu"
+
+
+def onchip_bytes(compiler: str) -> int:
+    """On-chip memory the compiler keeps temporaries in (`Hardware.onchip_bytes`; 0 for "cpu" and "tpu")."""
+    return int(CATALOG[compiler].onchip_bytes) if compiler in CATALOG else 0
 
 
 BATCH_FIELDS = 5  # inputs, targets, positions, segment_ids, loss_mask: 4 bytes per token each
@@ -114,7 +170,8 @@ def saved_per_token_layer(loc: Local, remat: str) -> int:
 
 @dataclass(frozen=True)
 class MemoryPie:
-    """Bytes per device. `temporaries_detail` names the parts of `temporaries`."""
+    """Bytes per device. `temporaries_detail` names the parts of `temporaries` (negative where on-chip
+    memory holds gradients or activations at the peak, `estimate`)."""
 
     params: int
     gradients: int
@@ -161,15 +218,34 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
     return exact, sizes
 
 
+def places(exact: dict[str, int], sizes: dict[str, int], shape: MeshShape, compiler: str = "cpu",
+           loss: dict[str, float] | None = None) -> dict[str, dict[str, int]]:
+    """Bytes of each buffer each place holds in HBM (place -> term -> bytes) from `terms`' sizes, with the
+    temporaries of `compiler`; on hardware with on-chip memory, each place's share on chip as a negative
+    "on chip" term, and the loss place (`loss`, default `LOSS_PLACE`)."""
+    table = PLACES["tpu" if compiler.startswith("tpu") else compiler]
+    held = {place: {k: int(c * sizes[k]) for k, c in coeffs.items()} for place, coeffs in table.items()}
+    onchip = onchip_bytes(compiler)
+    if onchip:
+        for terms_held in held.values():
+            terms_held["on chip"] = -min(onchip, onchip_eligible(terms_held, exact, shape))
+        held["loss"] = {k: int(c * sizes[k]) for k, c in (LOSS_PLACE if loss is None else loss).items()}
+    return held
+
+
 def estimate(job: Job, shape: MeshShape, compiler: str = "cpu") -> MemoryPie:
     """The memory pie of one device on a mesh without pipeline stages, with the temporaries of `compiler`
-    (a key of `PLACES`; `compiler_for(hardware)` picks it)."""
+    ("cpu", "tpu" or a TPU with on-chip memory; `compiler_for(hardware)` picks it)."""
     exact, sizes = terms(job, shape)
     grads, activations = exact["gradients"], exact["activations"]
-    live = {place: {k: int(c * sizes[k]) for k, c in coeffs.items()} for place, coeffs in PLACES[compiler].items()}
+    live = places(exact, sizes, shape, compiler)
     place = max(live, key=lambda name: sum(live[name].values()))
     # Temporaries: the place's buffers, less the gradients and activations counted in the pie.
     detail = {f"{k} ({place} pass)": v for k, v in live[place].items() if k not in ("gradients", "activations") and v}
-    detail["gradients and activations not live at the peak"] = live[place]["gradients"] + live[place]["activations"] - grads - activations
+    held_grads_acts = live[place].get("gradients", 0) + live[place].get("activations", 0)
+    detail["gradients and activations not live at the peak"] = held_grads_acts - grads - activations
     detail["batch"] = exact["batch"]
-    return MemoryPie(exact["params"], grads, exact["optimizer"], activations, max(0, sum(detail.values())), detail)
+    # With on-chip memory the temporaries can be negative: gradients and saved activations counted in the
+    # pie that are on chip at the peak, not in HBM.
+    temporaries = sum(detail.values()) if onchip_bytes(compiler) else max(0, sum(detail.values()))
+    return MemoryPie(exact["params"], grads, exact["optimizer"], activations, temporaries, detail)

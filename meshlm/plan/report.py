@@ -33,7 +33,16 @@ def train_command(job: Job, plan: Plan, model_flags: list[str], hw: Hardware | N
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.3g}" if n >= 1e7 else f"{n / 1e9:.2g}"
+    return f"{n / 1e9:.3g}" if abs(n) >= 1e7 else f"{n / 1e9:.2g}"
+
+
+def _pie(memory: dict) -> str:
+    """"a + b + c + d + e" of the PIE parts; a negative part (temporaries where on-chip memory holds
+    gradients or activations at the peak) as "- e"."""
+    parts = [_gb(memory[PIE[0]])]
+    for key in PIE[1:]:
+        parts.append(f"- {_gb(-memory[key])}" if memory[key] < 0 else f"+ {_gb(memory[key])}")
+    return " ".join(parts)
 
 
 def _links(hw: Hardware) -> str:
@@ -144,8 +153,11 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     shown = plans[:top]
     verified = any(p.compiled for p in shown)
     staged = any(p.pipeline for p in shown)
+    onchip = any(p.memory.temporaries < 0 for p in shown)
     table = Table(title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
-                        "(params + gradients + optimizer + activations + temporaries)")
+                        "(params + gradients + optimizer + activations + temporaries"
+                        + ("; temporaries below 0: gradients or activations held in on-chip memory at the peak"
+                           if onchip else "") + ")")
     searched = c.remat == "auto"  # each row's policy (and micro-batches) is the search's
     columns = ["#", "mesh_dim", *(("pp", "bubble", "xfer GB") if staged else ()), *(("remat",) if searched else ()),
                "memory", "pie", "fits", "step s",
@@ -164,7 +176,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
                      f"{pl.bubble:.0%}", _gb(pl.transfer_bytes)] if pl else ["-", "-", "-"])
         if searched:
             row.append(p.job.cfg.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
-        row += [_gb(m["total"]), " + ".join(_gb(m[k]) for k in PIE), "yes" if p.fits else "[red]no[/]",
+        row += [_gb(m["total"]), _pie(m), "yes" if p.fits else "[red]no[/]",
                 f"{p.time.step_s:.3g}", f"{p.time.tokens_per_s:,.0f}", f"{p.time.mfu:.0%}",
                 ", ".join(op.name for op in p.comm_bound) or "-"]
         if verified:
