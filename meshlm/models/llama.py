@@ -274,10 +274,14 @@ class Llama(nnx.Module):
             x, kv = nnx.merge(graphdef, params)(x, positions, segment_ids)
             return x, (kv if return_kv else None)
 
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         stacked = own if layers is None else layers
-        return jax.lax.scan(layer, x, stacked, unroll=scan_unroll(self.cfg, jax.tree.leaves(stacked)[0].shape[0]))
+        unroll = scan_unroll(self.cfg, jax.tree.leaves(stacked)[0].shape[0])
+        if self.cfg.remat != "none":
+            # A scan of one layer per iteration keeps each recomputation in the backward loop; unrolled,
+            # XLA would merge it with the forward's (common subexpressions) and keep every activation,
+            # as with `none`, unless each layer's recomputation is fenced off.
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=unroll > 1)
+        return jax.lax.scan(layer, x, stacked, unroll=unroll)
 
     def head(self, x, params=None):
         """Final norm and output projection: float32 logits [B, T, V]. `params`: a tree with `final_norm`

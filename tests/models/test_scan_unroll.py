@@ -1,5 +1,5 @@
-"""`--model.scan_unroll`: the layer loop unrolled gives the scanned loop's loss and gradients; auto (0)
-unrolls on GPU only; bad values are refused in one line."""
+"""`--model.scan_unroll`: the layer loop unrolled gives the scanned loop's loss and gradients and keeps
+its remat policy's memory; auto (0) unrolls on GPU only; bad values are refused in one line."""
 
 import jax
 import numpy as np
@@ -29,6 +29,24 @@ def test_unrolled_layers_equal_the_scanned_loop():
         np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
         for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def _step_memory(cfg, batch, params) -> int:
+    placement = place(cfg, mesh_for("1,1,1,1"))
+    grads = jax.jit(jax.grad(lambda p: loss_sums(placement, p, batch)[0]))
+    memory = grads.lower(params).compile().memory_analysis()
+    return memory.temp_size_in_bytes
+
+
+def test_unrolled_layers_keep_the_remat_policy():
+    # Unrolled, a checkpointed layer's recomputation must not be merged with its forward pass: `full`
+    # then keeps only each layer's input, far less than `none`'s activations (as it does scanned).
+    cfg = resolve_model("test", {"n_layers": "4", "d_model": "128", "mlp_dim": "512"}).replace(
+        dtype="float32", scan_unroll=4)
+    batch = _batch(cfg, seq=128)
+    params = place(cfg, mesh_for("1,1,1,1")).init(0)
+    none, full = (_step_memory(cfg.replace(remat=r), batch, params) for r in ("none", "full"))
+    assert full < 0.7 * none, (full, none)
 
 
 def test_auto_unrolls_on_gpu_only(monkeypatch):
