@@ -101,10 +101,9 @@ def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_ma
 
 
 def _chunk_logits(xc, w):
-    """A chunk's float32 logits [B, L, V] from compute-dtype operands, laid out as the strategy says."""
+    """A chunk's activations, laid out as the strategy says, and its float32 logits [B, L, V]."""
     xc = sharding.constrain(xc, axes.STREAM)
-    logits = jnp.einsum("bte,ev->btv", xc, w, preferred_element_type=jnp.float32)
-    return xc, sharding.constrain(logits, axes.LOGITS)
+    return xc, project(xc, w)
 
 
 def _chunked_value(one_hot, w_dtype, xs, w, ts, ms):

@@ -56,6 +56,7 @@ class Hardware:
     # HBM at its peak, as calibrated against compiled programs (`meshlm.plan.memory`); 0 where the compiled
     # peak is not lowered that way or was not measured.
     onchip_bytes: float = 0.0
+    device_kind: str = ""  # what JAX's `device.device_kind` says for this chip ("TPU v5 lite"); "" for cpu
 
     def matmul_efficiency(self, rows: float) -> float:
         """The fraction of peak a matmul of `rows` rows per device runs at: measured points of
@@ -112,7 +113,7 @@ def _peaks(device_kind: str) -> tuple[float, float]:
 def _gpu(name, kind, hbm, hbm_bw, nvlink, ib, source, **measured) -> Hardware:
     bf16, fp32 = _peaks(kind)
     return Hardware(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, fast_domain=8, devices_per_host=8, source=source,
-                    **measured)
+                    device_kind=kind, **measured)
 
 
 # Hopper (H100, H200), measured on an H200 (docs/kernels.md): `bench/accelerator.py`'s step, llama3-8b
@@ -125,7 +126,8 @@ HOPPER = dict(matmul_rows=((8192, 0.712),), attention_efficiency=0.378)
 def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source, onchip=0.0) -> Hardware:
     bf16, fp32 = _peaks(kind)
     return Hardware(name, bf16, fp32, hbm, hbm_bw, 2 * ici_link, dcn_per_chip, fast_domain=pod,
-                    devices_per_host=per_host, fast_name="ICI", slow_name="DCN", source=source, onchip_bytes=onchip)
+                    devices_per_host=per_host, fast_name="ICI", slow_name="DCN", source=source, onchip_bytes=onchip,
+                    device_kind=kind)
 
 
 # On-chip memory for the step's temporaries (docs/plan.md, "Accuracy on TPU"). XLA:TPU's memory-space

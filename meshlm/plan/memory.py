@@ -129,11 +129,6 @@ def onchip_eligible(held: dict[str, int], exact: dict[str, int], shape: MeshShap
 LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
 
 
-# JAX's device kinds of the catalog's TPUs (`meshlm.plan.hardware.CATALOG`).
-TPU_KINDS = {"tpu v4": "tpu-v4", "tpu v5 lite": "tpu-v5e", "tpu v5e": "tpu-v5e", "tpu v5": "tpu-v5p",
-             "tpu v5p": "tpu-v5p", "tpu v6 lite": "tpu-v6e", "tpu v6e": "tpu-v6e"}
-
-
 def compiler_for(hardware: str) -> str:
     """The compiler whose buffer assignment was fitted, for a hardware catalog name (`tpu-v5p`) or a JAX
     device kind (`TPU v5 lite`): "cpu" (XLA:CPU's `PLACES`, also for GPUs), "tpu" (XLA:TPU's), or the
@@ -141,8 +136,10 @@ def compiler_for(hardware: str) -> str:
     name = hardware.strip().lower()
     if not name.startswith("tpu"):
         return "cpu"
-    key = TPU_KINDS.get(name, name)
-    return key if key in CATALOG and CATALOG[key].onchip_bytes else "tpu"
+    for key, hw in CATALOG.items():
+        if hw.onchip_bytes and name in (key, hw.device_kind.lower()):
+            return key
+    return "tpu"
 
 
 def onchip_bytes(compiler: str) -> int:
