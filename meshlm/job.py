@@ -145,6 +145,19 @@ def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
         )
 
 
+def check_kernel(model: ModelConfig, seq_len: int) -> None:
+    """A forced `--attention` kernel against the devices JAX runs on, before anything starts: the kernel's
+    platform, the compute dtype and head_dim it needs (packed documents on older GPUs are found when the
+    first batch is traced). `auto`, `dense` and `blockwise` run anywhere."""
+    from meshlm.ops import kernels
+
+    if model.attention in ("auto", "dense", "blockwise"):
+        return
+    call = kernels.Call(platform=kernels.default_platform(), q_len=seq_len, kv_len=seq_len, head_dim=model.head_dim,
+                        dtype=model.dtype, packed=False, causal=True, gpu_capability=kernels.gpu_capability())
+    kernels.choose(model.attention, call)  # one UsageError line when it cannot serve the job
+
+
 def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False):
     """(strategy, rules) from --strategy, --zero_stage and --sharding_rules, checked against the mesh
     and the batch."""
@@ -195,7 +208,8 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
                                         jax.device_count(), jax.process_count(), cfg.pp)
     pipeline = pipeline_schedule(cfg, shape, model.n_layers) if shape.pp > 1 else None
     check_mesh(cfg, shape, model)
-    if output:
+    if output:  # a training job on the devices JAX has (explain may compile for a TPU topology instead)
+        check_kernel(model, cfg.seq_len)
         check_output(cfg, model)
     if model.remat == "auto":
         model = model.replace(remat=auto_remat(cfg, model, shape))

@@ -37,6 +37,15 @@ BAD = [
     (["train", "--model=llama3-8"], "did you mean --model=llama3-8b?"),
     (["train", "--model.n_layer=2"], "did you mean --model.n_layers?"),
     (["serve", "--checkpoint=x", "--host=10.99.99.99"], "--host=10.99.99.99 is not an address of this machine"),
+    # whole flag names only: `--step` is the checkpoint step in generate and serve, not train's --steps
+    (["train", "--step=5"], "unknown flag --step; did you mean --steps?"),
+    (["explain", "--devices=8", "--mesh=1,4,2,1"], "unrecognized arguments: --mesh=1,4,2,1"),
+    # a model field that is a flag of its own is set by the flag (which would otherwise override it)
+    (["train", "--model.dtype=float16"], "--model.dtype: set it with --dtype=float16"),
+    (["train", "--model.remat=bogus"], "--model.remat: set it with --remat=bogus"),
+    # a kernel the devices cannot run is refused before anything starts (no run folder, no compile)
+    (["train", "--model=test", "--dataset=synthetic", "--devices=1", "--attention=cudnn"],
+     "--attention=cudnn runs on GPU only and this job runs on CPU"),
 ]
 
 
@@ -56,6 +65,13 @@ def test_bad_input_from_a_real_process(args, message):
     assert result.returncode == 2, result.stderr
     err = result.stderr.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_version(capsys):
+    from meshlm.cli import main, version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.split() == ["meshlm", version()]
 
 
 def test_help_lists_every_command_with_one_line():

@@ -24,10 +24,21 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """meshlm's installed version (the package metadata's), or "unknown" when run from an uninstalled tree."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("meshlm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {line}" for name, (_, _, line) in COMMANDS.items()]
-    return "usage: meshlm COMMAND [flags]   (meshlm COMMAND --help for its flags)\n\ncommands:\n" + "\n".join(lines)
+    return ("usage: meshlm COMMAND [flags]   (meshlm COMMAND --help for its flags; meshlm --version)\n\ncommands:\n"
+            + "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"meshlm {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         from meshlm.cli.flags import did_you_mean

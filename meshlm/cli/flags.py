@@ -27,7 +27,13 @@ def did_you_mean(word: str, choices, prefix: str = "") -> str:
 
 class Parser(argparse.ArgumentParser):
     """argparse whose own errors are one `UsageError` line naming `--help` (exit code 2 in `main`); an
-    unknown flag close to a known one names it (`--mesh_dims`: did you mean --mesh_dim?)."""
+    unknown flag close to a known one names it (`--mesh_dims`: did you mean --mesh_dim?). Flags are
+    taken by their whole names only: argparse's prefix matching would read `--step=5` as `--steps`
+    in `meshlm train` and as the checkpoint's `--step` in `meshlm generate`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(f"{message} (see `meshlm {self.prog.split()[-1]} --help`)")
@@ -36,7 +42,7 @@ class Parser(argparse.ArgumentParser):
         flags = [o for o in self._option_string_actions if o.startswith("--")]
         for arg in args or ():  # before argparse, which would first name a required flag left out
             name = arg.split("=", 1)[0]
-            if name.startswith("--") and len(name) > 2 and not any(f.startswith(name) for f in flags):
+            if name.startswith("--") and len(name) > 2 and name not in flags:
                 if hint := did_you_mean(name, flags):
                     self.error(f"unknown flag {name}{hint}")
         return super().parse_args(args, namespace)
@@ -76,6 +82,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser, description: str | None =
     add_dataclass_flags(group, config.ClusterConfig)
 
 
+# Model fields that are `meshlm train` flags of their own (--dtype, --param_dtype, --remat, --attention):
+# the flag is the one way to set them, so `--model.dtype=...` is refused rather than overridden by it.
+TRAIN_FLAG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) & frozenset(
+    f.name for f in dataclasses.fields(config.TrainConfig))
+
+
 def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Pull `--model.FIELD=VALUE` (or `--model.FIELD VALUE`) out of argv."""
     rest, overrides, i = [], {}, 0
@@ -87,7 +99,9 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                 if i + 1 >= len(argv):
                     raise UsageError(f"{arg} needs a value, e.g. {arg}=4")
                 value, i = argv[i + 1], i + 1
-            fields = {f.name for f in dataclasses.fields(ModelConfig)}
+            if key in TRAIN_FLAG_FIELDS:
+                raise UsageError(f"--model.{key}: set it with --{key}={value or 'VALUE'} (a flag of its own)")
+            fields = {f.name for f in dataclasses.fields(ModelConfig)} - TRAIN_FLAG_FIELDS
             if key not in fields and (hint := did_you_mean(key, fields, "--model.")):
                 raise UsageError(f"--model.{key}: unknown model field{hint}")
             overrides[key] = value

@@ -79,13 +79,34 @@ def run_tasks(lm: Any, tasks: list[str], manager: Any, *, num_fewshot: int | Non
     from lm_eval.loggers import EvaluationTracker
 
     tracker = EvaluationTracker(output_path=None if output_path is None else str(output_path))
-    results = simple_evaluate(model=lm, model_args={"pretrained": model_name}, tasks=tasks, num_fewshot=num_fewshot,
-                              limit=limit, batch_size=getattr(lm, "batch_size", None), log_samples=log_samples,
-                              evaluation_tracker=tracker, task_manager=manager, random_seed=seed,
-                              numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    try:
+        results = simple_evaluate(
+            model=lm, model_args={"pretrained": model_name}, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+            batch_size=getattr(lm, "batch_size", None), log_samples=log_samples, evaluation_tracker=tracker,
+            task_manager=manager, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed)
+    except OSError as e:  # requests', huggingface_hub's and datasets' network errors are OSErrors
+        if not _network_error(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--tasks: lm-eval could not download a task's data ({first}); run where the Hugging Face "
+                         "Hub is reachable, or with its datasets cached and HF_DATASETS_OFFLINE=1, or give local "
+                         "task files (--tasks=path/to/task.yaml or --include_path=FOLDER)") from None
     if results is None:  # only ranks other than 0 of a distributed lm-eval run get None
         raise RuntimeError("lm-eval returned no results")
     return results, tracker
+
+
+def _network_error(e: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) is a failed download rather than a local fault."""
+    seen = 0
+    while e is not None and seen < 8:
+        seen += 1
+        module = type(e).__module__.split(".")[0]
+        if isinstance(e, ConnectionError) or module in ("requests", "urllib3", "huggingface_hub", "httpx", "datasets"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def write_results(results: dict, tracker: Any) -> list[Path]:

@@ -216,7 +216,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     profiler = StepProfiler(profile_range(cfg.profile_steps) if cfg.profile_steps else None, out / "profile", is_main)
     documents = DocumentsWatch(model_cfg, cfg.seq_len, ring=shape.sp > 1, platform=jax.devices()[0].platform,
                                gpu_capability=gpu_capability())  # fmt: skip
-    with stop, M.TrainProgress(cfg.steps, enabled=is_main, console=console) as progress:
+    with stop, logger.closed_on_error(), M.TrainProgress(cfg.steps, enabled=is_main, console=console) as progress:
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(first_step, cfg.steps + 1):
             host_batch = next(loader)

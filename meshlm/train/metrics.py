@@ -17,6 +17,8 @@ The console side (one-line metrics, the progress bar) is meshlm.train.console.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 from pathlib import Path
@@ -134,6 +136,20 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.log({prefix(k): v for k, v in m.items() if k != "step" and isinstance(v, (int, float))
                           and not isinstance(v, bool) and math.isfinite(v)}, m["step"])
+
+    @contextlib.contextmanager
+    def closed_on_error(self):
+        """Within this block an exception closes the event and metrics files (no plot) before it goes on:
+        an open TensorBoard writer would otherwise end the process with a traceback of its own thread."""
+        try:
+            yield
+        except BaseException:
+            if self._tb is not None:
+                self._tb.close()
+            if self._file is not None:
+                self._file.close()
+            self._file = self._tb = None
+            raise
 
     def close(self, title: str | None = None) -> None:
         """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""

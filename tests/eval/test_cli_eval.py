@@ -95,3 +95,25 @@ def test_tiny_preset_on_a_100_question_task_within_two_minutes(tmp_path):
     assert '"acc,none"' in written.read_text()
     print(f"meshlm eval, tiny preset, 100 questions × 4 choices: {seconds:.1f} s")
     assert seconds < 120, f"{seconds:.0f} s"
+
+
+def test_a_task_whose_data_cannot_be_downloaded_is_one_usage_error(monkeypatch):
+    """Built-in tasks download their data from the Hub; without a network that is one line naming what
+    to do, not lm-eval's traceback. Any other OSError (a local fault) goes on as it is."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from meshlm.errors import UsageError
+    from meshlm.eval import harness
+
+    def offline(**_):
+        raise ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (ConnectionError)")
+
+    def local_fault(**_):
+        raise PermissionError("permission denied: results.json")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    with pytest.raises(UsageError, match=r"could not download a task's data \(Couldn't reach 'Rowan/hellaswag'.*"
+                                         r"HF_DATASETS_OFFLINE=1.*--include_path"):
+        harness.run_tasks(object(), ["hellaswag"], None)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", local_fault)
+    with pytest.raises(PermissionError):
+        harness.run_tasks(object(), ["hellaswag"], None)
