@@ -236,7 +236,7 @@ def resolve_serving(model: ModelConfig, *, mesh_dim: str, dtype: str = "auto", m
     if shape.pp > 1:
         raise UsageError(f"--mesh_dim={mesh_dim}: serving runs without pipeline stages; drop pp")
     context = max_seq_len or min(model.max_seq_len, SERVING_CONTEXT)
-    check_serving_mesh(shape, model, max_batch, context)
+    check_serving_mesh(shape, model, max_batch, context, mesh_dim)
     compute = resolve_dtype(dtype, serving=True)
     model = model.replace(dtype=compute, param_dtype=compute, remat="none")
     job = Job(model, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
@@ -255,9 +255,17 @@ def serving_misfit(shape: MeshShape, model: ModelConfig, max_batch: int | None, 
     return problem
 
 
-def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int) -> None:
+def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int,
+                       mesh_dim: str | None = None) -> None:
     """One line, as train's: the problem and meshes of these devices that serve the model, or the
-    serving flags to change (serving has no --strategy)."""
+    serving flags to change (serving has no --strategy). `mesh_dim`: the flag as given, named beside the
+    resolved mesh when it had a -1 (the default, tp over every device, is one)."""
+    if max_batch is not None and max_batch < 1:
+        raise UsageError(f"--max_batch={max_batch} must be a positive integer (decode slots, a multiple of dp×fsdp)")
+    if max_batch is not None and max_batch % shape.data:
+        up = -(-max_batch // shape.data) * shape.data
+        raise UsageError(f"--max_batch={max_batch} must be a multiple of dp×fsdp = {shape.data} on --mesh_dim={shape}, "
+                         f"each data shard serving as many slots; use --max_batch={up}")
     problem = serving_misfit(shape, model, max_batch, context)
     if problem is None:
         return
@@ -266,7 +274,8 @@ def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | No
     hint = (f"meshes that work on these {shape.n_devices} devices: " + ", ".join(f"--mesh_dim={s}" for s in working[:4])
             if working else f"no mesh of these {shape.n_devices} devices fits; change --devices, --max_batch or "
             "--max_seq_len")
-    raise UsageError(f"--mesh_dim={shape}: {problem}; {hint}")
+    given = f"--mesh_dim={mesh_dim} (that is {shape})" if mesh_dim and "-1" in mesh_dim else f"--mesh_dim={shape}"
+    raise UsageError(f"{given}: {problem}; {hint}")
 
 
 def _build(job: Job) -> Job:

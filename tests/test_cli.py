@@ -43,6 +43,9 @@ BAD = [
     # a model field that is a flag of its own is set by the flag (which would otherwise override it)
     (["train", "--model.dtype=float16"], "--model.dtype: set it with --dtype=float16"),
     (["train", "--model.remat=bogus"], "--model.remat: set it with --remat=bogus"),
+    (["generate", "--checkpoint=/no/such", "--prompt=x", "--max_tokens=0"], "--max_tokens=0 must be a positive integer"),
+    (["generate", "--checkpoint=/no/such", "--prompt=x", "--temperature=-1"],
+     "--temperature must be a number >= 0 (0 is greedy), got -1.0"),
     # a kernel the devices cannot run is refused before anything starts (no run folder, no compile)
     (["train", "--model=test", "--dataset=synthetic", "--devices=1", "--attention=cudnn"],
      "--attention=cudnn runs on GPU only and this job runs on CPU"),

@@ -46,15 +46,19 @@ BAD = {
     "malformed mesh": (["--mesh_dim=1,a,8,1"], ["--mesh_dim=1,a,8,1"], "'a' is not an integer"),
     "tp over the heads": (["--mesh_dim=1,1,8,1"], ["--mesh_dim=1,1,8,1"],
                           "--mesh_dim=1,1,8,1: n_heads = 4 is not divisible by tp = 8; meshes that work"),
+    # serving says it in its own flag's words (train: the batch; serve: the decode slots)
     "batch over the data axes": (["--mesh_dim=8,1,1,1", "--batch_size=4"], ["--mesh_dim=8,1,1,1", "--max_batch=4"],
-                                 "--mesh_dim=8,1,1,1: global batch size 4 is smaller than dp×fsdp = 8"),
+                                 "--mesh_dim=8,1,1,1: global batch size 4 is smaller than dp×fsdp = 8",
+                                 "--max_batch=4 must be a multiple of dp×fsdp = 8 on --mesh_dim=8,1,1,1, each data "
+                                 "shard serving as many slots; use --max_batch=8"),
 }
+SERVING = ("generate", "serve")
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_every_command_gives_the_same_error(case, hf_model, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the outputs of a run that got too far would land here
-    train_flags, serving_flags, message = BAD[case]
+    train_flags, serving_flags, message, *serving_message = BAD[case]
     errors = {}
     for name, argv in commands(hf_model, train_flags, serving_flags).items():
         assert main(argv) == 2, name
@@ -62,7 +66,11 @@ def test_every_command_gives_the_same_error(case, hf_model, capsys, tmp_path, mo
         assert len(err.splitlines()) == 1 and "Traceback" not in err, (name, err)
         errors[name] = err
     assert message in errors["train"], errors["train"]
-    assert len(set(errors.values())) == 1, errors
+    if not serving_message:
+        assert len(set(errors.values())) == 1, errors
+        return
+    assert len({e for n, e in errors.items() if n not in SERVING}) == 1, errors
+    assert {errors[n] for n in SERVING} == {f"error: {serving_message[0]}"}, errors
 
 
 def test_resolve_builds_what_train_needs():
@@ -107,3 +115,9 @@ def test_serving_mesh_misfit_is_said_in_serving_terms():
     with pytest.raises(UsageError) as err:
         resolve_serving(PRESETS["tiny"], mesh_dim="1,1,8,1", build=False)
     assert "n_heads = 4 is not divisible by tp = 8" in str(err.value) and "--mesh_dim=1,4,2,1" in str(err.value)
+    with pytest.raises(UsageError, match=r"^--mesh_dim=1,1,-1,1 \(that is 1,1,8,1\): n_heads = 4 is not divisible"):
+        resolve_serving(PRESETS["tiny"], mesh_dim="1,1,-1,1", build=False)  # the default, tp over every device
+    for bad, words in ((0, "--max_batch=0 must be a positive integer"), (-4, "--max_batch=-4 must be a positive"),
+                       (3, "--max_batch=3 must be a multiple of dp×fsdp = 4 on --mesh_dim=2,2,2,1.*use --max_batch=4")):
+        with pytest.raises(UsageError, match=words):
+            resolve_serving(PRESETS["tiny"], mesh_dim="2,2,2,1", max_batch=bad, build=False)

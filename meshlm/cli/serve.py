@@ -26,7 +26,9 @@ CLUSTER_HELP = ("as for `meshlm train` (docs/distributed.md): process 0 takes th
                 "the others run the same steps")
 
 
-def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None, one_prompt: bool = False) -> None:
+    """The flags `generate` and `serve` share. `one_prompt` (generate): the cache and the prefill are
+    sized to the one prompt unless the flags say otherwise, and the help says so."""
     g = parser.add_argument_group("model and mesh")
     g.add_argument("--checkpoint", required=True, metavar="P",
                    help="a run's output_dir (or checkpoints/N), a `meshlm export`/`convert` folder, or a Hugging "
@@ -42,12 +44,14 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None) -> N
     g.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on "
                                                   "accelerators), float32, bfloat16, float16 [default: auto]")
     g.add_argument("--max_seq_len", type=int, help="context length of the KV cache (prompt + generated tokens) "
-                                                   "[default: the model's, at most 2048]")
+                   + ("[default: the prompt's tokens plus --max_tokens]" if one_prompt
+                      else "[default: the model's, at most 2048]"))
     g.add_argument("--max_batch", type=int, default=max_batch,
                    help="decode slots shared by concurrent requests, a multiple of dp×fsdp"
                         + (f" [default: {max_batch}]" if max_batch else " [default: dp×fsdp]"))
     g.add_argument("--prefill_buckets", metavar="N,N,...",
-                   help="prompt lengths that get a compiled prefill [default: 32, 64, ... up to max_seq_len]")
+                   help="prompt lengths that get a compiled prefill " + ("[default: the prompt's length]" if one_prompt
+                                                                         else "[default: 32, 64, ... up to max_seq_len]"))
 
 
 def check_host(host: str) -> None:
@@ -138,7 +142,7 @@ def generate(argv: list[str]) -> int:
     from meshlm.serve.sampling import SamplingParams
 
     parser = Parser(prog="meshlm generate", description="Stream a completion of one prompt to the terminal.")
-    add_model_flags(parser, max_batch=None)
+    add_model_flags(parser, max_batch=None, one_prompt=True)
     g = parser.add_argument_group("generation")
     g.add_argument("--prompt", required=True, help="the text to continue; - reads it from standard input")
     g.add_argument("--max_tokens", type=int, default=128, help="tokens to generate at most [default: 128]")
@@ -149,10 +153,12 @@ def generate(argv: list[str]) -> int:
     g.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
     add_cluster_flags(parser, CLUSTER_HELP)
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        raise UsageError(f"--max_tokens={args.max_tokens} must be a positive integer (tokens to generate at most)")
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as e:
-        raise UsageError(f"{e}; fix the flag") from None
+    except ValueError as e:  # "temperature must be ..." is the flag --temperature's rule
+        raise UsageError(f"--{e}") from None
 
     def work(main: bool) -> int:
         import jax
