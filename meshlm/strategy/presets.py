@@ -19,6 +19,8 @@ adapter's `lora_rank` stay whole (an adapter shards like its weight on the other
 
 from __future__ import annotations
 
+import difflib
+
 from meshlm.errors import UsageError
 from meshlm.sharding import Strategy
 
@@ -77,5 +79,7 @@ PRESETS: dict[str, Strategy] = {s.name: s for s in (
 
 def preset(name: str) -> Strategy:
     if name not in PRESETS:
-        raise UsageError(f"--strategy={name}: unknown preset; choose one of {', '.join(PRESETS)}")
+        close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"--strategy={name}: unknown preset; {hint}choose one of {', '.join(PRESETS)}")
     return PRESETS[name]

@@ -93,7 +93,17 @@ class Rules:
                                    activations={**strategy.activations, **self.logical_activations})
 
     def with_layer_strategies(self, make: Callable[[str], Strategy]) -> "Rules":
-        return dataclasses.replace(self, layers=tuple(dataclasses.replace(r, strategy=make(r.preset)) for r in self.layers))
+        """Each [[layers]] range with its strategy made from its preset name; a bad name is blamed on the
+        file and the range, not on --strategy."""
+        def one(r: LayerRange) -> LayerRange:
+            try:
+                return dataclasses.replace(r, strategy=make(r.preset))
+            except UsageError as e:
+                flag = f"--strategy={r.preset}: "
+                why = str(e)[len(flag):] if str(e).startswith(flag) else str(e)
+                raise UsageError(f"{self.path} [[layers]] #{r.index}: strategy = {r.preset!r}: {why}") from None
+
+        return dataclasses.replace(self, layers=tuple(one(r) for r in self.layers))
 
     def groups(self, n_layers: int, main: Strategy) -> tuple[LayerGroup, ...]:
         """The layer groups, in order, covering every layer; () without [[layers]]."""
@@ -163,7 +173,10 @@ def load(path: str | Path) -> Rules:
     for i, r in enumerate(data.get("rules", []), 1):
         label = f"{where} rule #{i}"
         if not isinstance(r, dict) or set(r) != {"pattern", "spec"} or not isinstance(r["spec"], list):
-            raise UsageError(f"{label}: give exactly pattern = \"REGEX\" and spec = [..] (one entry per dimension, \"\" for a whole one)")
+            odd = sorted(set(r) - {"pattern", "spec"}) if isinstance(r, dict) else []
+            named = f"unknown key {odd[0]!r}; " if odd else ""
+            raise UsageError(f"{label}: {named}give exactly pattern = \"REGEX\" and spec = [..] (one entry per dimension, "
+                             "\"\" for a whole one)")
         try:
             re.compile(r["pattern"])
         except re.error as e:

@@ -129,6 +129,10 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm,
     )
     optimizer = make_optimizer(opt_cfg)
+    if warmup >= cfg.steps and cfg.warmup_steps is not None:  # a default warmup is a tenth of the schedule
+        end = float(lr_schedule(opt_cfg)(cfg.steps))
+        console.print(f"note: --warmup_steps={warmup} is not below --steps={cfg.steps}: the learning rate never reaches "
+                      f"--lr={cfg.lr:g} (it is {end:.3g} at the last step); lower --warmup_steps to reach it")
     console.print(f"model: {cfg.model or init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
     console.print(
         f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on "
@@ -171,7 +175,11 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
             checkpointed(abstract_state(placement, optimizer, lora), lora), expect_meta=run_meta)
         if lora is not None:
             state = with_base(state, frozen_base(placement, lora, init_source, cfg.seed))
-        loader.restore(data_state)
+        try:
+            loader.restore(data_state)
+        except UsageError as e:  # the data differs from the run's: name the run and the way out
+            raise UsageError(f"{checkpointer.directory / str(latest)}: {e}; or give a new --output_dir to start a "
+                             "fresh run") from None
         console.print(report.resumed(checkpointer.directory / str(latest), int(state.step), saved_meta, shape.flags))
         change = report.schedule_change(report.schedule_of(saved_meta), schedule, int(state.step), cfg.steps)
         if change:

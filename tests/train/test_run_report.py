@@ -164,3 +164,27 @@ def test_help_shows_the_seed_default_and_what_output_dir_holds():
     assert "checkpoints" in output_dir, output_dir
     for flag in ("--schedule_steps", "--eval_dataset", "--eval_split", "--eval_every", "--eval_batches"):
         assert flag in text
+
+
+def test_resuming_on_other_data_names_the_checkpoint_and_a_fresh_output_dir(two_steps, tmp_path):
+    """The run's data differs from the checkpoint's: the line names the checkpoint, what differs, and the
+    way out (the same data, or a new --output_dir)."""
+    from meshlm.errors import UsageError
+
+    out = tmp_path / "run"
+    shutil.copytree(two_steps, out)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a small corpus, long enough to fill some rows" for i in range(400)))
+    with pytest.raises(UsageError) as err:
+        train(config(out, steps=3, dataset=str(corpus)), console=run_console(file=io.StringIO()))
+    msg = str(err.value)
+    assert msg.startswith(f"{out / 'checkpoints' / '2'}: the checkpoint was trained on 0 rows of data"), msg
+    assert msg.endswith("resume with the same dataset, tokenizer and seq_len; or give a new --output_dir to start a "
+                        "fresh run"), msg
+
+
+def test_a_warmup_past_the_last_step_is_noted(tmp_path):
+    out = tmp_path / "run"
+    log = io.StringIO()
+    train(config(out, steps=2, warmup_steps=50), console=run_console(file=log))
+    assert "note: --warmup_steps=50 is not below --steps=2: the learning rate never reaches --lr=0.01" in log.getvalue()
