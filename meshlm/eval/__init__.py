@@ -1,4 +1,4 @@
-"""Evaluating meshlm models with lm-evaluation-harness (an optional dependency: `pip install 'meshlm[eval]'`).
+"""Evaluating meshlm models with lm-evaluation-harness (an optional dependency: `pip install -e '.[eval]'` in meshlm's folder).
 
 meshlm/eval/lm.py is meshlm's lm-eval model (registered as `meshlm`; importing it needs lm-eval),
 meshlm/eval/requests.py the token-level work it does (no lm-eval needed), meshlm/eval/harness.py the

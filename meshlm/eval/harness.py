@@ -21,7 +21,8 @@ from typing import Any
 
 from meshlm.errors import UsageError
 
-INSTALL = "pip install 'meshlm[eval]' (lm-evaluation-harness, lm_eval[api]==0.4.13)"
+INSTALL = ("pip install -e '.[eval]' in meshlm's folder (.venv/bin/pip after `make`; lm-evaluation-harness, "
+           "lm_eval[api]==0.4.13)")
 
 
 def require_lm_eval() -> None:

@@ -2,7 +2,7 @@
 
 `meshlm.train.step.make_train_step` is lowered with `abstract_state` and a batch of
 ShapeDtypeStructs carrying their shardings, then compiled for the plan's mesh on simulated CPU
-devices, or for a TPU target on that TPU topology through libtpu (`pip install 'meshlm[tpu]'`; without
+devices, or for a TPU target on that TPU topology through libtpu (`pip install -e '.[tpu]'`; without
 it `--verify` says so). Collective bytes are compared with the prediction for the compiler that
 compiled (`meshlm.plan.comms.predict`'s backend). The compiled program gives per-device memory
 (`memory_analysis()`: argument + output - alias + temp bytes, the state, the batch and the peak of
@@ -51,7 +51,7 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
 
         if importlib.util.find_spec("libtpu") is None:
             raise UsageError(f"--verify with --hardware={hardware} compiles for the TPU topology through libtpu, "
-                             f"which is not installed: pip install 'meshlm[tpu]' (or verify with --hardware=cpu)")
+                             f"which is not installed: pip install -e '.[tpu]' in meshlm's folder (or verify with --hardware=cpu)")
         try:
             from jax.experimental import topologies
 

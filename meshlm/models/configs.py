@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +184,10 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
         hf.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) != "default" and not hf.get("rope_scaling"):
             hf["rope_scaling"] = rope
+    if {"model", "train", "mesh_dim"} <= set(hf):  # the config.json `meshlm train` writes in its run folder
+        folder = Path(where).parent if Path(where).name == "config.json" else Path(where)
+        raise UsageError(f"{where} is a meshlm run's settings, not a model config; start from its weights with "
+                         f"--init_from={folder}, or continue the run with --output_dir={folder}")
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
         raise UsageError(f"{where} describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported")
@@ -214,7 +219,9 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
             init_std=float(hf.get("initializer_range", 0.02)),
         )
     except KeyError as e:
-        raise UsageError(f"{where} lacks the field {e.args[0]!r} that a LlamaConfig has") from None
+        close = difflib.get_close_matches(e.args[0], [k for k in hf if isinstance(k, str)], n=1, cutoff=0.8)
+        hint = f" (it has {close[0]!r}: a misspelling?)" if close else ""
+        raise UsageError(f"{where} lacks the field {e.args[0]!r} that a LlamaConfig has{hint}") from None
 
 
 def to_hf_config(cfg: ModelConfig, weights_dtype: str | None = None) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def test_unknown_task_lists_close_names(capsys, checkpoint, tasks):
 def test_without_lm_eval_says_how_to_install(capsys, monkeypatch, checkpoint, tasks):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
     err = _one_line_error(capsys, ["eval", f"--checkpoint={checkpoint}", f"--tasks={tasks[1]['mc']}"])
-    assert "pip install 'meshlm[eval]'" in err
+    assert "pip install -e '.[eval]'" in err
 
 
 def test_every_flag_is_documented(capsys):

@@ -8,7 +8,7 @@ most of a small step's temporaries in on-chip memory (`Hardware.onchip_bytes`), 
 With libtpu 0.0.50.1 the three v5p cases are +5.8%, +10.0% (tp-only: +9.99%, the fit set's worst error)
 and +5.3%, the two v5e cases (tp-only, fsdp×sp) -0.1% and +1.5%; a libtpu that schedules the step
 differently can move tp-only out, and the failure names the refit.
-Skips, saying why, without the `libtpu` package (`pip install 'meshlm[tpu]'`).
+Skips, saying why, without the `libtpu` package (`pip install -e '.[tpu]'`).
 """
 
 import os
@@ -30,7 +30,7 @@ BATCH, SEQ = 8, 512
 
 
 def compile_cases(hardware: str, cases: tuple[str, ...]) -> dict:
-    pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'meshlm[tpu]'): no TPU compile")
+    pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compile")
     devices, where = target_devices(4, hardware)
     assert where.startswith("TPU topology"), where
     out = {}
@@ -100,7 +100,7 @@ def test_verify_for_tpu_without_libtpu_says_how_to_install_it(monkeypatch, capsy
                  "--mesh_dim=1,4,1,1", "--verify=1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "libtpu" in err[0] and "pip install 'meshlm[tpu]'" in err[0]
+    assert "libtpu" in err[0] and "pip install -e '.[tpu]'" in err[0]
 
 
 def test_each_hardware_gets_the_temporaries_of_its_compiler():
