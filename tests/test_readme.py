@@ -28,4 +28,4 @@ def test_set_up_says_how_to_run_the_command_and_what_to_pass():
     setup = text[text.index("## Set-up"):text.index("## Choosing the mesh")]
     assert ".venv/bin/meshlm" in setup and "source .venv/bin/activate" in setup
     assert "--checkpoint=outputs/run" in setup and "meshlm --help" in setup
-    assert "underscores" in setup  # the greedy reply, said honestly
+    assert "repeats a short fragment" in setup  # the greedy reply, said honestly
