@@ -260,12 +260,10 @@ def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | No
     """One line, as train's: the problem and meshes of these devices that serve the model, or the
     serving flags to change (serving has no --strategy). `mesh_dim`: the flag as given, named beside the
     resolved mesh when it had a -1 (the default, tp over every device, is one)."""
-    if max_batch is not None and max_batch < 1:
-        raise UsageError(f"--max_batch={max_batch} must be a positive integer (decode slots, a multiple of dp×fsdp)")
-    if max_batch is not None and max_batch % shape.data:
-        up = -(-max_batch // shape.data) * shape.data
-        raise UsageError(f"--max_batch={max_batch} must be a multiple of dp×fsdp = {shape.data} on --mesh_dim={shape}, "
-                         f"each data shard serving as many slots; use --max_batch={up}")
+    if max_batch is not None:
+        from meshlm.serve.shapes import check_max_batch
+
+        check_max_batch(max_batch, shape.data)
     problem = serving_misfit(shape, model, max_batch, context)
     if problem is None:
         return

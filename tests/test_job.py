@@ -49,8 +49,7 @@ BAD = {
     # serving says it in its own flag's words (train: the batch; serve: the decode slots)
     "batch over the data axes": (["--mesh_dim=8,1,1,1", "--batch_size=4"], ["--mesh_dim=8,1,1,1", "--max_batch=4"],
                                  "--mesh_dim=8,1,1,1: global batch size 4 is smaller than dp×fsdp = 8",
-                                 "--max_batch=4 must be a multiple of dp×fsdp = 8 on --mesh_dim=8,1,1,1, each data "
-                                 "shard serving as many slots; use --max_batch=8"),
+                                 "--max_batch=4 must be a positive multiple of dp×fsdp = 8 (try --max_batch=8)"),
 }
 SERVING = ("generate", "serve")
 
@@ -117,7 +116,8 @@ def test_serving_mesh_misfit_is_said_in_serving_terms():
     assert "n_heads = 4 is not divisible by tp = 8" in str(err.value) and "--mesh_dim=1,4,2,1" in str(err.value)
     with pytest.raises(UsageError, match=r"^--mesh_dim=1,1,-1,1 \(that is 1,1,8,1\): n_heads = 4 is not divisible"):
         resolve_serving(PRESETS["tiny"], mesh_dim="1,1,-1,1", build=False)  # the default, tp over every device
-    for bad, words in ((0, "--max_batch=0 must be a positive integer"), (-4, "--max_batch=-4 must be a positive"),
-                       (3, "--max_batch=3 must be a multiple of dp×fsdp = 4 on --mesh_dim=2,2,2,1.*use --max_batch=4")):
+    for bad, words in ((0, r"--max_batch=0 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)"),
+                       (-4, "--max_batch=-4 must be a positive multiple"),
+                       (3, r"--max_batch=3 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)")):
         with pytest.raises(UsageError, match=words):
             resolve_serving(PRESETS["tiny"], mesh_dim="2,2,2,1", max_batch=bad, build=False)

@@ -62,6 +62,13 @@ class Shapes:
         return rows, next((n for n in self.decode_lengths if n >= reach), self.decode_lengths[-1])
 
 
+def check_max_batch(max_batch: int, data: int) -> None:
+    """--max_batch against the data-parallel size `data` (dp×fsdp): each data shard serves as many slots."""
+    if max_batch <= 0 or max_batch % data:
+        raise UsageError(f"--max_batch={max_batch} must be a positive multiple of dp×fsdp = {data} "
+                         f"(try --max_batch={max(data, math.ceil(max(max_batch, 1) / data) * data)})")
+
+
 def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | None,
                 prefill_buckets: tuple[int, ...] | None, prefill_batch: int | None, data: int, sp: int) -> Shapes:
     """The shapes for these settings, or a UsageError that names the fix. `data` is the data-parallel
@@ -69,14 +76,17 @@ def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | No
     context = int(max_seq_len or min(model_max_seq_len, 2048))
     if context > model_max_seq_len:
         raise UsageError(f"--max_seq_len={context} exceeds the model's max_seq_len={model_max_seq_len}")
-    if max_batch <= 0 or max_batch % data:
-        raise UsageError(f"--max_batch={max_batch} must be a positive multiple of dp×fsdp = {data} "
-                         f"(try --max_batch={max(data, math.ceil(max(max_batch, 1) / data) * data)})")
+    check_max_batch(max_batch, data)
     buckets = tuple(sorted(prefill_buckets or length_buckets(context)))
-    for n in (*buckets, context):
-        if n > context or (sp > 1 and n % (2 * sp)):
-            raise UsageError(f"length {n} (a prefill bucket or the context) must be <= --max_seq_len and "
-                             f"divisible by 2×sp = {2 * sp}")
+    for n in buckets:
+        if n < 1 or n > context:
+            raise UsageError(f"--prefill_buckets: length {n} must be between 1 and the context, --max_seq_len={context}; "
+                             "drop it or raise --max_seq_len")
+    pieces = "the sequence-parallel ranks each take two equal pieces of it"
+    if sp > 1 and context % (2 * sp):
+        raise UsageError(f"--max_seq_len={context} must be divisible by 2×sp = {2 * sp}: {pieces}")
+    if sp > 1 and (odd := [n for n in buckets if n % (2 * sp)]):
+        raise UsageError(f"--prefill_buckets: length {odd[0]} must be divisible by 2×sp = {2 * sp}: {pieces}")
     prefill_batch = prefill_batch or data
     if prefill_batch % data:
         raise UsageError(f"prefill batch {prefill_batch} must be a multiple of dp×fsdp = {data}")
@@ -84,4 +94,4 @@ def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | No
     return Shapes(max_batch, context, buckets, prefill_batch, rows, lengths)
 
 
-__all__ = ["Shapes", "plan_shapes", "length_buckets", "decode_buckets"]
+__all__ = ["Shapes", "check_max_batch", "plan_shapes", "length_buckets", "decode_buckets"]

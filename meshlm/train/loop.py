@@ -168,6 +168,9 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         run_meta["lora"] = lora_meta(lora, init_source, cfg.seed)
         console.print(f"LoRA: rank {lora.spec.rank}, alpha {lora.spec.alpha:g} on {len(lora.targets)} weights "
                       f"({lora.n_params():,} trainable parameters); base frozen in {lora.spec.base_dtype}")
+        if init_source is None:
+            console.print("note: --lora_rank without --init_from: the frozen base is random weights (seed "
+                          f"{cfg.seed}), so the adapters fine-tune nothing; give --init_from=MODEL for a real base")
     checkpointer = Checkpointer(out / "checkpoints", keep=cfg.keep, save_every=cfg.save_every)
     latest = checkpointer.latest_step()
     if latest is not None:

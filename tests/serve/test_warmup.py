@@ -120,3 +120,17 @@ def test_timeout_flags_are_checked_and_default_to_the_servers(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--header_timeout" in out and f"[default: {HEADER_TIMEOUT_S:g}]" in out
     assert "--body_timeout" in out and f"[default: {BODY_TIMEOUT_S:g}]" in out
+
+
+def test_bad_shape_flags_name_the_flag():
+    from meshlm.errors import UsageError
+
+    kw = dict(max_batch=4, max_seq_len=256, prefill_batch=None, data=1)
+    with pytest.raises(UsageError, match=r"^--prefill_buckets: length 5000 must be between 1 and the context, "
+                                         r"--max_seq_len=256; drop it or raise --max_seq_len$"):
+        plan_shapes(2048, prefill_buckets=(10, 5000), sp=1, **kw)
+    with pytest.raises(UsageError, match=r"^--prefill_buckets: length 10 must be divisible by 2×sp = 4"):
+        plan_shapes(2048, prefill_buckets=(10, 64), sp=2, **kw)
+    with pytest.raises(UsageError, match=r"^--max_seq_len=250 must be divisible by 2×sp = 4"):
+        plan_shapes(2048, **{**kw, "max_seq_len": 250}, prefill_buckets=None, sp=2)
+    assert plan_shapes(2048, prefill_buckets=(10, 64), sp=1, **kw).prefill_lengths == (10, 64)

@@ -22,6 +22,7 @@ def test_lora_train_resume_export(tmp_path, capsys):
     first = capsys.readouterr()
     assert code == 0, first.err[-3000:]
     assert "LoRA: rank 4, alpha 8 on 7 weights" in first.out
+    assert "without --init_from" not in first.out  # a real base: no note
     code = main([*args, "--steps=3"])
     second = capsys.readouterr()
     assert code == 0, second.err[-3000:]
@@ -54,3 +55,11 @@ def test_bad_lora_flags_one_line(tmp_path, capsys, flags, says):
     code = main(["train", "--model=test", "--dataset=synthetic", "--steps=1", f"--output_dir={tmp_path}", *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and says in err and "\n" not in err, err
+
+
+def test_lora_on_a_random_base_says_so(tmp_path, capsys):
+    code = main(["train", "--model=test", "--dataset=synthetic", "--devices=1", "--lora_rank=2", "--steps=1",
+                 "--batch_size=2", "--seq_len=32", f"--output_dir={tmp_path / 'run'}", "--peak_tflops=1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "note: --lora_rank without --init_from: the frozen base is random weights (seed 0)" in out, out
