@@ -30,14 +30,30 @@ EINSUMS = {spec: what for projection, what in _PROJECTIONS.items()
 # projection is a named einsum above, so a bare matmul inside the layers is attention's own (the
 # kernels' score and value products, whose einsums are not listed).
 IN_LAYERS = {"dot_general": "attention matmuls (scores, values)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
-             "reduce_max": "attention softmax"}
+             "reduce_max": "attention softmax", "convert_element_type": "weights cast to the compute dtype"}
 OUTSIDE = {"dot_general": "lm_head", "mul": "final norm scale", "gather": "embed lookup", "scatter-add": "embed",
-           "reduce_max": "loss softmax", "reduce_sum": "loss sums",
+           "reduce_max": "loss softmax", "reduce_sum": "loss sums", "convert_element_type": "weights cast to the compute dtype",
            "sharding_constraint": "layout change", "take_along_axis": "loss (target logits)"}
+# Outside the differentiated function, by the primitive: the explicit collectives of ZeRO stages 0-2 and
+# of the pipeline's schedule (meshlm.train.step, meshlm.ops.pipeline), and the optimizer's update.
+AFTER = {
+    "reduce_scatter": "after the backward: gradients reduce-scattered over the data axes (ZeRO)",
+    "psum_scatter": "after the backward: gradients reduce-scattered over the data axes (ZeRO)",
+    "psum": "after the backward: gradients and loss summed over the data axes",
+    "ppermute": "pipeline schedule: activations and gradients passed between stages",
+    "add": "optimizer update: the updated shards gathered back",
+    "convert_element_type": "weights cast to the compute dtype, before the pipeline schedule",
+}
 TRANSFORMS = re.compile(r"\b(transpose|jvp|jit|vmap|remat|checkpoint|custom_jvp_call|custom_vjp_call)\(")
 
 
 def _one(name: str) -> str:
+    # A pipeline's schedule wraps the differentiated function in its own loop (`shard_map/while/body/...`):
+    # what is inside the first transform is the model's.
+    found = TRANSFORMS.search(name)
+    if found is None:  # outside the differentiated function
+        return AFTER.get(name.rsplit("/", 1)[-1], "after the backward: gradient norm and logged metrics")
+    name = name[found.start():]
     backward = name.startswith("transpose(")
     if scope := re.search(r"boundary \d+-\d+>\d+-\d+", name):  # the layout change between two layer ranges
         return ("backward of " if backward else "forward of ") + scope.group(0)
@@ -58,8 +74,6 @@ def _one(name: str) -> str:
     if not what:
         prim = parts[-1] if parts else name
         what = (IN_LAYERS if layers else OUTSIDE).get(prim, prim)
-    if not TRANSFORMS.match(name):
-        return "after the backward: gradient norm and logged metrics"  # outside the differentiated function
     return ("backward of " if backward else "forward of ") + ("layers/" if layers else "") + what
 
 
