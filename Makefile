@@ -29,9 +29,11 @@ $(TEST_STAMP): $(STAMP)
 
 install: $(STAMP)
 
-# A tiny LLaMA on Python's own source code, 8 simulated CPU devices, mesh dp=2 fsdp=2 tp=2.
+# A tiny LLaMA on Python's own source code, 8 simulated CPU devices, mesh dp=2 fsdp=2 tp=2. Run again, it
+# says the run is done; `make run STEPS=240` continues it to step 240.
+STEPS ?= 120
 run: install
-	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=120 --batch_size=8 --seq_len=256 \
+	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=$(STEPS) --batch_size=8 --seq_len=256 \
 		--lr=3e-3 --log_every=10 --output_dir=outputs/run
 
 test: $(TEST_STAMP)

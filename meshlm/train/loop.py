@@ -307,6 +307,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
             first_step=first_step, last_step=last_step, total_steps=cfg.steps, history=history, evals=evals,
             stopped=stop.requested, output_dir=cfg.output_dir,
             checkpoint=out / "checkpoints" / str(saved_at) if saved_at >= first_step else None,
+            chat=loader.chat_data is not None,
         ):
             console.print(line)
     return summary

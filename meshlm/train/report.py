@@ -14,8 +14,11 @@ from pathlib import Path
 from meshlm.train.console import plural
 
 
-def generate_command(output_dir: str | Path) -> str:
-    """The command that samples from a run's newest checkpoint."""
+def generate_command(output_dir: str | Path, chat: bool = False) -> str:
+    """The command that samples from a run's newest checkpoint; for a run on chat data, the server whose
+    chat page applies the run's chat template."""
+    if chat:
+        return f"meshlm serve --checkpoint={shlex.quote(str(output_dir))}   # then open http://127.0.0.1:8000/"
     return f"meshlm generate --checkpoint={shlex.quote(str(output_dir))} --prompt='def '"
 
 
@@ -88,7 +91,7 @@ def schedule_change(before: dict | None, now: dict, step: int, steps: int) -> st
 
 
 def summary_lines(*, first_step: int, last_step: int, total_steps: int, history: list[dict], evals: list[dict],
-                  stopped: str | None, output_dir: str | Path, checkpoint: Path | None) -> list[str]:
+                  stopped: str | None, output_dir: str | Path, checkpoint: Path | None, chat: bool = False) -> list[str]:
     """The closing lines: the steps this process ran (not the run's total), their first and last logged
     loss, the last evaluation, the checkpoint written and what to run next."""
     ran = last_step - first_step + 1
@@ -115,7 +118,7 @@ def summary_lines(*, first_step: int, last_step: int, total_steps: int, history:
     elif last_step < total_steps:
         lines.append(f"next: the same command continues to step {total_steps}")
     else:
-        lines.append(f"next: {generate_command(output_dir)}")
+        lines.append(f"next: {generate_command(output_dir, chat)}")
     return lines
 
 

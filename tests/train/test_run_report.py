@@ -114,6 +114,9 @@ def test_summary_of_a_stopped_run():
     one = summary_lines(first_step=1, last_step=1, total_steps=1, history=[], evals=[], stopped=None,
                         output_dir="out dir", checkpoint=None)
     assert one[0] == "done: ran step 1 (1 step)" and one[-1] == "next: meshlm generate --checkpoint='out dir' --prompt='def '"
+    chat = summary_lines(first_step=1, last_step=1, total_steps=1, history=[], evals=[], stopped=None,
+                         output_dir="run", checkpoint=None, chat=True)
+    assert chat[-1] == "next: meshlm serve --checkpoint=run   # then open http://127.0.0.1:8000/"
 
 
 def test_the_plot_reads_the_whole_run(tmp_path, monkeypatch):
