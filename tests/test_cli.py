@@ -40,6 +40,8 @@ BAD = [
     # whole flag names only: `--step` is the checkpoint step in generate and serve, not train's --steps
     (["train", "--step=5"], "unknown flag --step; did you mean --steps?"),
     (["explain", "--devices=8", "--mesh=1,4,2,1"], "unrecognized arguments: --mesh=1,4,2,1"),
+    (["explain", "--devices=8", "--model=test", "--tensor=layers/mlp/gat"],
+     "--tensor=layers/mlp/gat: no such parameter; did you mean --tensor=layers/mlp/gate?"),
     # a model field that is a flag of its own is set by the flag (which would otherwise override it)
     (["train", "--model.dtype=float16"], "--model.dtype: set it with --dtype=float16"),
     (["train", "--model.remat=bogus"], "--model.remat: set it with --remat=bogus"),

@@ -16,6 +16,7 @@ Nothing is trained; the step is compiled with abstract inputs, nothing allocated
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -172,7 +173,9 @@ def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict
 def _tensor(placement: Placement, path: str) -> tuple[tuple[int, ...], P]:
     shapes, specs = flatten(placement.shapes), flatten(placement.specs)
     if path not in shapes:
-        raise UsageError(f"--tensor={path}: no such parameter; choose one of {', '.join(list(shapes)[:6])}, ... "
+        close = difflib.get_close_matches(path, list(shapes), n=1, cutoff=0.7)
+        hint = f"did you mean --tensor={close[0]}? " if close else ""
+        raise UsageError(f"--tensor={path}: no such parameter; {hint}choose one of {', '.join(list(shapes)[:6])}, ... "
                          "(the paths `meshlm explain` lists)")
     return tuple(shapes[path].shape), specs[path]
 
