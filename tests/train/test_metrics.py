@@ -129,6 +129,22 @@ def test_logger_jsonl_tensorboard_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
+def test_a_failed_run_closes_its_files_and_draws_nothing(tmp_path):
+    """An error inside `closed_on_error` (a step that fails to trace) closes the event and metrics files,
+    so the process ends with the error's one line and no writer thread's traceback; the error goes on."""
+    out = tmp_path / "run"
+    logger = MetricsLogger(out, flops_per_token=1e6, peak_flops_per_device=1e12, n_devices=1,
+                           total_steps=10, log_every=1)
+    with pytest.raises(RuntimeError, match="step failed"), logger.closed_on_error():
+        logger.log(1, loss=3.0, tokens=100, seconds=1.0)
+        raise RuntimeError("step failed")
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [s for s, _ in _tb_scalars(out / "tb")["loss"]] == [1]  # flushed by the close
+    assert not (out / "loss.png").exists()
+    logger.close()  # still safe afterwards: nothing left to close, nothing drawn
+    assert not (out / "loss.png").exists()
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     out = tmp_path / "run"
     logger = MetricsLogger(out, flops_per_token=1e6, peak_flops_per_device=1e12, n_devices=1,
