@@ -255,14 +255,19 @@ def serving_misfit(shape: MeshShape, model: ModelConfig, max_batch: int | None, 
     return problem
 
 
+def check_max_batch(max_batch: int, data: int) -> None:
+    """--max_batch against the data-parallel size `data` (dp×fsdp): each data shard serves as many slots."""
+    if max_batch <= 0 or max_batch % data:
+        raise UsageError(f"--max_batch={max_batch} must be a positive multiple of dp×fsdp = {data} "
+                         f"(try --max_batch={max(data, math.ceil(max(max_batch, 1) / data) * data)})")
+
+
 def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int,
                        mesh_dim: str | None = None) -> None:
     """One line, as train's: the problem and meshes of these devices that serve the model, or the
     serving flags to change (serving has no --strategy). `mesh_dim`: the flag as given, named beside the
     resolved mesh when it had a -1 (the default, tp over every device, is one)."""
     if max_batch is not None:
-        from meshlm.serve.shapes import check_max_batch
-
         check_max_batch(max_batch, shape.data)
     problem = serving_misfit(shape, model, max_batch, context)
     if problem is None:

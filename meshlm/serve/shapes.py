@@ -8,10 +8,10 @@ so traffic never compiles.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from meshlm.errors import UsageError
+from meshlm.job import check_max_batch
 
 
 def length_buckets(max_seq_len: int, smallest: int = 32) -> tuple[int, ...]:
@@ -62,13 +62,6 @@ class Shapes:
         return rows, next((n for n in self.decode_lengths if n >= reach), self.decode_lengths[-1])
 
 
-def check_max_batch(max_batch: int, data: int) -> None:
-    """--max_batch against the data-parallel size `data` (dp×fsdp): each data shard serves as many slots."""
-    if max_batch <= 0 or max_batch % data:
-        raise UsageError(f"--max_batch={max_batch} must be a positive multiple of dp×fsdp = {data} "
-                         f"(try --max_batch={max(data, math.ceil(max(max_batch, 1) / data) * data)})")
-
-
 def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | None,
                 prefill_buckets: tuple[int, ...] | None, prefill_batch: int | None, data: int, sp: int) -> Shapes:
     """The shapes for these settings, or a UsageError that names the fix. `data` is the data-parallel
@@ -94,4 +87,4 @@ def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | No
     return Shapes(max_batch, context, buckets, prefill_batch, rows, lengths)
 
 
-__all__ = ["Shapes", "check_max_batch", "plan_shapes", "length_buckets", "decode_buckets"]
+__all__ = ["Shapes", "plan_shapes", "length_buckets", "decode_buckets"]
