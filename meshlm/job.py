@@ -18,7 +18,7 @@ from typing import Any
 
 from meshlm import mesh as meshlib
 from meshlm.config import TrainConfig, check_dtype
-from meshlm.errors import UsageError
+from meshlm.errors import UsageError, closest
 from meshlm.mesh import MeshShape
 from meshlm.models.configs import ModelConfig
 
@@ -73,8 +73,6 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
 def preset_name(name: str) -> str:
     """--model as given, or the preset it names in another case (`Tiny`); a near miss of a preset
     (`llama3-8`) that is no file is one line asking whether the preset was meant."""
-    import difflib
-
     from meshlm.models.configs import PRESETS
 
     if name in PRESETS or Path(name).suffix == ".json" or Path(name).exists():
@@ -82,10 +80,9 @@ def preset_name(name: str) -> str:
     by_lower = {p.lower(): p for p in PRESETS}
     if name.lower() in by_lower:
         return by_lower[name.lower()]
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
-    if close:
+    if close := closest(name.lower(), by_lower, cutoff=0.6):
         raise UsageError(f"--model={name!r} is neither a preset nor a config.json path; did you mean "
-                         f"--model={by_lower[close[0]]}?")
+                         f"--model={by_lower[close]}?")
     return name  # the preset table's own error lists every preset
 
 

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import typing
 
 from meshlm import config
-from meshlm.errors import UsageError
+from meshlm.errors import UsageError, closest
 from meshlm.models.configs import ModelConfig
 
 
 def did_you_mean(word: str, choices, prefix: str = "") -> str:
     """` (did you mean PREFIX+CHOICE?)` for the closest choice to a misspelled `word`, or ''."""
     bare = {c.lstrip("-"): c for c in choices}
-    close = difflib.get_close_matches(word.lstrip("-"), list(bare), n=1, cutoff=0.7)
-    return f"; did you mean {prefix}{bare[close[0]]}?" if close else ""
+    close = closest(word.lstrip("-"), bare)
+    return f"; did you mean {prefix}{bare[close]}?" if close else ""
 
 
 class Parser(argparse.ArgumentParser):

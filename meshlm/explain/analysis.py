@@ -16,7 +16,6 @@ Nothing is trained; the step is compiled with abstract inputs, nothing allocated
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshlm import axes, hlo
-from meshlm.errors import UsageError
+from meshlm.errors import UsageError, closest
 from meshlm.models.placement import Placement
 from meshlm.strategy.rules import flatten
 from meshlm.strategy.zero import formula_bytes
@@ -173,8 +172,8 @@ def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict
 def _tensor(placement: Placement, path: str) -> tuple[tuple[int, ...], P]:
     shapes, specs = flatten(placement.shapes), flatten(placement.specs)
     if path not in shapes:
-        close = difflib.get_close_matches(path, list(shapes), n=1, cutoff=0.7)
-        hint = f"did you mean --tensor={close[0]}? " if close else ""
+        close = closest(path, shapes)
+        hint = f"did you mean --tensor={close}? " if close else ""
         raise UsageError(f"--tensor={path}: no such parameter; {hint}choose one of {', '.join(list(shapes)[:6])}, ... "
                          "(the paths `meshlm explain` lists)")
     return tuple(shapes[path].shape), specs[path]

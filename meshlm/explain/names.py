@@ -36,9 +36,10 @@ OUTSIDE = {"dot_general": "lm_head", "mul": "final norm scale", "gather": "embed
            "sharding_constraint": "layout change", "take_along_axis": "loss (target logits)"}
 # Outside the differentiated function, by the primitive: the explicit collectives of ZeRO stages 0-2 and
 # of the pipeline's schedule (meshlm.train.step, meshlm.ops.pipeline), and the optimizer's update.
+_SCATTERED = "after the backward: gradients reduce-scattered over the data axes (ZeRO)"
 AFTER = {
-    "reduce_scatter": "after the backward: gradients reduce-scattered over the data axes (ZeRO)",
-    "psum_scatter": "after the backward: gradients reduce-scattered over the data axes (ZeRO)",
+    "reduce_scatter": _SCATTERED,
+    "psum_scatter": _SCATTERED,
     "psum": "after the backward: gradients and loss summed over the data axes",
     "ppermute": "pipeline schedule: activations and gradients passed between stages",
     "add": "optimizer update: the updated shards gathered back",

@@ -7,13 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshlm.errors import UsageError
+from meshlm.errors import UsageError, closest
 
 
 @dataclass(frozen=True)
@@ -219,8 +218,8 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
             init_std=float(hf.get("initializer_range", 0.02)),
         )
     except KeyError as e:
-        close = difflib.get_close_matches(e.args[0], [k for k in hf if isinstance(k, str)], n=1, cutoff=0.8)
-        hint = f" (it has {close[0]!r}: a misspelling?)" if close else ""
+        close = closest(e.args[0], [k for k in hf if isinstance(k, str)], cutoff=0.8)
+        hint = f" (it has {close!r}: a misspelling?)" if close else ""
         raise UsageError(f"{where} lacks the field {e.args[0]!r} that a LlamaConfig has{hint}") from None
 
 

@@ -19,9 +19,7 @@ adapter's `lora_rank` stay whole (an adapter shards like its weight on the other
 
 from __future__ import annotations
 
-import difflib
-
-from meshlm.errors import UsageError
+from meshlm.errors import UsageError, closest
 from meshlm.sharding import Strategy
 
 ALL = ("dp", "fsdp", "tp", "sp")
@@ -77,9 +75,16 @@ PRESETS: dict[str, Strategy] = {s.name: s for s in (
 )}
 
 
+def unknown_preset(name: str) -> str | None:
+    """Why `name` is no preset ("unknown preset; ...", a near name and the presets), or None for a preset.
+    The caller says where the name came from (--strategy, a rules file's [[layers]])."""
+    if name in PRESETS:
+        return None
+    close = closest(name, PRESETS, cutoff=0.6)
+    return f"unknown preset; {f'did you mean {close}? ' if close else ''}choose one of {', '.join(PRESETS)}"
+
+
 def preset(name: str) -> Strategy:
-    if name not in PRESETS:
-        close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise UsageError(f"--strategy={name}: unknown preset; {hint}choose one of {', '.join(PRESETS)}")
+    if problem := unknown_preset(name):
+        raise UsageError(f"--strategy={name}: {problem}")
     return PRESETS[name]

@@ -38,6 +38,7 @@ from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import AXES
 from meshlm.sharding import MeshAxes, Strategy, as_tuple, logical_to_spec, replicate_short_kv_heads, spec_divides
+from meshlm.strategy.presets import unknown_preset
 
 MESH_AXES = (*AXES, "pp")
 WHAT = ("params", "grads", "opt_state")
@@ -96,12 +97,9 @@ class Rules:
         """Each [[layers]] range with its strategy made from its preset name; a bad name is blamed on the
         file and the range, not on --strategy."""
         def one(r: LayerRange) -> LayerRange:
-            try:
-                return dataclasses.replace(r, strategy=make(r.preset))
-            except UsageError as e:
-                flag = f"--strategy={r.preset}: "
-                why = str(e)[len(flag):] if str(e).startswith(flag) else str(e)
-                raise UsageError(f"{self.path} [[layers]] #{r.index}: strategy = {r.preset!r}: {why}") from None
+            if problem := unknown_preset(r.preset):
+                raise UsageError(f"{self.path} [[layers]] #{r.index}: strategy = {r.preset!r}: {problem}")
+            return dataclasses.replace(r, strategy=make(r.preset))
 
         return dataclasses.replace(self, layers=tuple(one(r) for r in self.layers))
 

@@ -18,7 +18,6 @@ The console side (one-line metrics, the progress bar) is meshlm.train.console.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import math
 from pathlib import Path
@@ -144,21 +143,23 @@ class MetricsLogger:
         try:
             yield
         except BaseException:
-            if self._tb is not None:
-                self._tb.close()
-            if self._file is not None:
-                self._file.close()
-            self._file = self._tb = None
+            self._close_files()
             raise
 
-    def close(self, title: str | None = None) -> None:
-        """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""
-        if not self.enabled or self._file is None:
-            return
+    def _close_files(self) -> bool:
+        """Close the event and metrics files; whether they were open."""
+        if self._file is None:
+            return False
         if self._tb is not None:
             self._tb.close()
         self._file.close()
         self._file = self._tb = None
+        return True
+
+    def close(self, title: str | None = None) -> None:
+        """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""
+        if not self.enabled or not self._close_files():
+            return
         from meshlm.train.plot import plot_run, read_metrics
 
         plot_run(self.output_dir / "loss.png", read_metrics(self.output_dir / "metrics.jsonl"),
