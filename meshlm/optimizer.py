@@ -55,8 +55,24 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) != "scale", params)
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` (the same empty state, the same arithmetic) that takes the norm the
+    step has already computed, `update(..., grad_norm=norm)`, rather than reducing every gradient
+    across the devices a second time. Without `grad_norm` it computes the norm itself."""
+
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = jnp.squeeze(norm < max_norm)
+        return jax.tree.map(lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformationExtraArgs:
+    """AdamW, after global-norm clipping when `clip_norm` > 0. `update` takes `grad_norm=` (the norm of
+    the gradients, when the caller has it) as an extra argument."""
     adamw = optax.adamw(
         lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    return optax.chain(clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw

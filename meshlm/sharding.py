@@ -266,6 +266,26 @@ def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
     return _entry(kept)
 
 
+def global_norm(tree: Any, mesh: Mesh, specs: Any) -> jax.Array:
+    """The L2 norm over every element of `tree` (float32), laid out by `specs` on `mesh`, with one
+    reduction across devices for the whole tree. (Left to XLA's partitioner, each array's sum of squares
+    is reduced on its own: one collective per leaf, and the step waits on every one of them.) Each
+    device sums the squares of its own shards; a leaf held whole on some mesh axes is counted once by
+    dividing its sum by the copies those axes make (a power of two on every real mesh: exact)."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    if _manual_context() is not None or not spec_leaves or mesh.size == 1:
+        return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+    copies = [mesh.size // math.prod(mesh.shape[a] for e in s for a in _as_tuple(e)) for s in spec_leaves]
+
+    def local(*leaves):
+        partial = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) / c for x, c in zip(leaves, copies))
+        return jax.lax.psum(partial, tuple(mesh.axis_names))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(spec_leaves), out_specs=P(), check_vma=False)
+    return jnp.sqrt(fn(*jax.tree.leaves(tree)))
+
+
 def batch_sharding(mesh: Mesh, strategy: Strategy, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
     logical = TOKENS + (None,) * (ndim - 2)

@@ -3,6 +3,9 @@
 On each mesh the looked-up rows and the table's gradient equal plain `jnp.take`'s on one device, and the
 compiled program moves no table-sized buffer: no all-gather of the table, no reduction of its whole
 gradient over the axes that split it.
+
+`meshlm.sharding.global_norm`: the norm of a tree laid out on a mesh, whatever each leaf's layout (split,
+partly split, whole), equals numpy's, with one reduction across devices for the whole tree.
 """
 
 import jax
@@ -58,3 +61,21 @@ def test_a_table_axis_no_token_dimension_holds_keeps_the_table_gathered():
     table, tokens, _, rows, _, text = run("2,1,4,1", preset("megatron"))
     np.testing.assert_array_equal(rows, table[tokens])
     assert "all-to-all" not in text
+
+
+@pytest.mark.parametrize("mesh_dim", ["1,8,1,1", "2,2,2,1", "8,1,1,1"])
+def test_global_norm_counts_every_element_once_in_one_reduction(mesh_dim):
+    mesh = build_mesh(parse_mesh_dim(mesh_dim, 8), jax.devices()[:8])
+    specs = {"split": P("fsdp", "tp"), "rows": P(("dp", "fsdp")), "tp": P(None, "tp"), "whole": P(), "scalar": P()}
+    shapes = {"split": (16, 8), "rows": (32,), "tp": (3, 8), "whole": (5, 2), "scalar": ()}
+    rng = np.random.default_rng(0)
+    host = {k: rng.normal(size=shape).astype(np.float32) for k, shape in shapes.items()}
+    tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    norm = jax.jit(lambda t: sharding.global_norm(t, mesh, specs))
+    want = np.sqrt(sum(np.sum(np.square(v.astype(np.float64))) for v in host.values()))
+    np.testing.assert_allclose(float(norm(tree)), want, rtol=1e-6)
+    reductions = [c for c in hlo.parse_collectives(norm.lower(tree).compile().as_text()) if c.group_size > 1]
+    assert [c.kind for c in reductions] == ["all-reduce"], reductions
+    # the same value on one device, and inside no mesh at all
+    one = build_mesh(parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
+    np.testing.assert_allclose(float(sharding.global_norm(host, one, specs)), want, rtol=1e-6)

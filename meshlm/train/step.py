@@ -145,14 +145,18 @@ def make_train_step(
     (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train.
     `compiler_options`: XLA options for this program (`meshlm.platform.pipeline_compiler_options`)."""
     mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
+    update = optax.with_extra_args_support(optimizer).update
+    grad_specs = lora.grad_specs if lora is not None else (
+        placement.grad_specs if placement.grad_specs is not None else placement.specs)
 
     def step(state: TrainState, batch: dict):
         trained, frozen = (state.params["lora"], state.params["base"]) if lora is not None else (state.params, None)
         nll, count, grads = mean_loss_grads(trained, batch, frozen)
-        updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+        grad_norm = sharding.global_norm(grads, placement.mesh, grad_specs)  # once, for the clip and the metric
+        updates, opt_state = update(grads, state.opt_state, trained, grad_norm=grad_norm)
         trained = optax.apply_updates(trained, updates)
         params = {"base": frozen, "lora": trained} if lora is not None else trained
-        metrics = {"loss": nll / jnp.maximum(count, 1.0), "grad_norm": optax.tree.norm(grads), "tokens": count}
+        metrics = {"loss": nll / jnp.maximum(count, 1.0), "grad_norm": grad_norm, "tokens": count}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -7,5 +7,10 @@ from tests.support.training import run_strategy
 
 
 @pytest.fixture(scope="session")
-def reference():
-    return run_strategy("1,1,1,1", shared_init=True)["losses"]  # one device: create_train_state's own state
+def reference_run():
+    return run_strategy("1,1,1,1", shared_init=True)  # one device: create_train_state's own state
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run):
+    return reference_run["losses"]

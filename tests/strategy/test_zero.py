@@ -59,8 +59,10 @@ def test_stage2_reduce_scatters_where_stage0_all_reduces(stages):
 
 
 @pytest.mark.parametrize("stage", list(MESH))
-def test_every_stage_trains_like_one_device(stages, reference, stage):
-    np.testing.assert_allclose(stages[stage]["losses"], reference, rtol=1e-5)
+def test_every_stage_trains_like_one_device(stages, reference_run, stage):
+    np.testing.assert_allclose(stages[stage]["losses"], reference_run["losses"], rtol=1e-5)
+    # the gradient norm (one reduction across devices, replicated gradients counted once) clips alike
+    np.testing.assert_allclose(stages[stage]["grad_norms"], reference_run["grad_norms"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("dims,accum", [

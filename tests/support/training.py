@@ -67,11 +67,12 @@ def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init
         state = fresh_state(placement, optimizer, (cfg, opt_cfg, dims))
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), grad_accum)
     perm = sequence_permutation(placement, T)
-    losses = []
+    losses, grad_norms = [], []
     for batch in batches or make_batches(cfg):
         state, metrics = step(state, put_batch(placement, batch, perm))
         losses.append(float(metrics["loss"]))
-    return dict(placement=placement, state=state, losses=losses, step=step)
+        grad_norms.append(float(metrics["grad_norm"]))
+    return dict(placement=placement, state=state, losses=losses, grad_norms=grad_norms, step=step)
 
 
 def initial_state_on_host(cfg=CFG, opt_cfg=OPT):
@@ -95,11 +96,13 @@ def train(placement, with_grads=False, grad_accum=1, shared_init=False):
     else:
         state = create_train_state(placement, optimizer, seed=0)
     perm = sequence_permutation(placement, T)
-    losses = []
+    losses, grad_norms = [], []
     for b in make_batches():
         state, metrics = step(state, put_batch(placement, b, perm))
         losses.append(float(metrics["loss"]))
-    return dict(losses=losses, step=step, grads=grads, batch=batch, placement=placement, state=state)
+        grad_norms.append(float(metrics["grad_norm"]))
+    return dict(losses=losses, grad_norms=grad_norms, step=step, grads=grads, batch=batch, placement=placement,
+                state=state)
 
 
 def run_strategy(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False, grad_accum=1,

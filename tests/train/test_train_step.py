@@ -27,6 +27,12 @@ def test_same_losses_on_every_mesh(runs, dims):
 
 
 @pytest.mark.parametrize("dims", MESHES[1:])
+def test_same_gradient_norms_on_every_mesh(runs, dims):
+    """The step's norm (`sharding.global_norm`: each device's shards, one reduction) is the one device's."""
+    np.testing.assert_allclose(runs[dims]["grad_norms"], runs["1,1,1,1"]["grad_norms"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dims", MESHES[1:])
 def test_same_parameters_on_every_mesh(runs, dims):
     """fp32 sums in another order differ in the last bits; Adam divides by sqrt(v), so where a gradient is
     ~0 that noise can move one coordinate by a visible fraction of lr. 99% of coordinates must agree to
