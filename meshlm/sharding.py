@@ -266,6 +266,13 @@ def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
     return _entry(kept)
 
 
+def splits_over(specs: Any, axes: Sequence[str]) -> bool:
+    """Whether any PartitionSpec in the tree `specs` splits a dimension over one of these mesh axes."""
+    wanted = set(axes)
+    return any(wanted.intersection(_as_tuple(e)) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+               for e in spec)
+
+
 def global_norm(tree: Any, mesh: Mesh, specs: Any) -> jax.Array:
     """The L2 norm over every element of `tree` (float32), laid out by `specs` on `mesh`, with one
     reduction across devices for the whole tree. (Left to XLA's partitioner, each array's sum of squares

@@ -79,3 +79,9 @@ def test_global_norm_counts_every_element_once_in_one_reduction(mesh_dim):
     # the same value on one device, and inside no mesh at all
     one = build_mesh(parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
     np.testing.assert_allclose(float(sharding.global_norm(host, one, specs)), want, rtol=1e-6)
+
+
+def test_splits_over_names_a_split_on_any_of_the_axes():
+    specs = {"a": P(None, ("dp", "fsdp")), "b": P("tp"), "c": P()}
+    assert sharding.splits_over(specs, ("fsdp",)) and sharding.splits_over(specs, ("tp", "sp"))
+    assert not sharding.splits_over(specs, ("sp",)) and not sharding.splits_over({"c": P()}, ("dp",))

@@ -42,7 +42,7 @@ def param_rows(placement: Placement) -> list[dict]:
     """One row per parameter: path, shape, specs, bytes per device (of the parameter) and its source."""
     shapes = flatten(placement.shapes)
     specs = flatten(placement.specs)
-    grads = flatten(placement.grad_specs if placement.grad_specs is not None else placement.specs)
+    grads = flatten(placement.gradient_specs)
     opts = flatten(placement.opt_specs if placement.opt_specs is not None else placement.specs)
     sources = placement.sources or {}
     return [dict(path=p, shape=tuple(s.shape), dtype=str(s.dtype), spec=specs[p], grad_spec=grads[p],
@@ -72,7 +72,7 @@ def data_size(placement: Placement) -> int:
 def grad_bytes(placement: Placement) -> int:
     """Per-device bytes of the gradients in their layout (what the step hands to the optimizer)."""
     shapes = flatten(placement.shapes)
-    specs = flatten(placement.grad_specs if placement.grad_specs is not None else placement.specs)
+    specs = flatten(placement.gradient_specs)
     return sum(_local_bytes(s.shape, s.dtype, specs[p], placement.mesh) for p, s in shapes.items())
 
 

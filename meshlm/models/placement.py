@@ -53,9 +53,14 @@ class Placement:
     def shardings(self) -> Any:
         return sharding.named(self.mesh, self.specs)
 
+    @property
+    def gradient_specs(self) -> Any:
+        """The PartitionSpecs the gradients live in: `grad_specs`, or the parameters' own."""
+        return self.grad_specs if self.grad_specs is not None else self.specs
+
     @cached_property
     def grad_shardings(self) -> Any:
-        return sharding.named(self.mesh, self.grad_specs if self.grad_specs is not None else self.specs)
+        return sharding.named(self.mesh, self.gradient_specs)
 
     @cached_property
     def opt_shardings(self) -> Any:

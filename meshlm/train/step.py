@@ -103,7 +103,7 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=Non
                                              for g in placement.groups))
     local.structure  # noqa: B018  built (abstractly) here: no parameter can be declared inside the shard_map
     grad_fn = _grad_fn(local, lora)
-    grad_specs = placement.grad_specs if placement.grad_specs is not None else placement.specs
+    grad_specs = placement.gradient_specs
     frozen_specs = None
     if lora is not None:
         grad_specs, frozen_specs = lora.grad_specs, placement.specs
@@ -146,20 +146,17 @@ def make_train_step(
     `compiler_options`: XLA options for this program (`meshlm.platform.pipeline_compiler_options`)."""
     mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
     update = optax.with_extra_args_support(optimizer).update
-    grad_specs = lora.grad_specs if lora is not None else (
-        placement.grad_specs if placement.grad_specs is not None else placement.specs)
+    grad_specs = lora.grad_specs if lora is not None else placement.gradient_specs
     # On XLA:CPU, gradients split over the data axes (ZeRO 2, 3, the default tables) take their norm in one
     # reduction across devices: XLA:CPU runs every buffer of a combined collective as a rendezvous of
     # all the device threads, one per leaf's sum of squares otherwise (docs/kernels.md). Gradients whole
     # on every data shard (ZeRO 0, 1) have no reduction over the data axes to save, and the partitioner's
     # own form keeps XLA:CPU's per-step scratch under glibc's 32 MiB mmap threshold on the bench shape (in
     # one buffer it went over: every step then faulted its pages in anew, 1.25x slower). XLA:TPU and
-    # XLA:GPU run a combined all-reduce as one collective: their programs (and the
-    # plan's fit to the TPU's) stay as they were.
-    data = set(placement.strategy.data_axes(placement.mesh))
-    split = placement.mesh.devices.flat[0].platform == "cpu" and any(
-        data.intersection(sharding.as_tuple(e)) for spec in jax.tree.leaves(
-            grad_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) for e in spec)
+    # XLA:GPU run a combined all-reduce as one collective: their programs (and the plan's fit to the
+    # TPU's) stay as they were.
+    split = placement.mesh.devices.flat[0].platform == "cpu" and sharding.splits_over(
+        grad_specs, placement.strategy.data_axes(placement.mesh))
 
     def norm_of(grads):
         return sharding.global_norm(grads, placement.mesh, grad_specs) if split else optax.tree.norm(grads)
