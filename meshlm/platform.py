@@ -5,12 +5,13 @@ Everything here must run before JAX initialises its backends (before the first d
 it is small, imports JAX lazily and never starts it. `configure_runtime` is what the commands that
 compile (train, explain, generate, serve) call first:
 
-- `--devices=N`: N simulated CPU devices (`configure_devices`); a pipelined step on them compiles with
-  `pipeline_compiler_options` (XLA:CPU's default scheduler, which keeps collectives in one order);
+- `--devices=N`: N simulated CPU devices (`configure_devices`);
+- per-program XLA options on CPU (`compiler_options`): 512-bit vector loops where the CPU has AVX-512,
+  and XLA:CPU's default scheduler for a pipelined step (it keeps collectives in one order);
 - XLA flag presets per backend (`xla_flag_preset`): GPU flags go to `XLA_FLAGS`, TPU flags to
   `LIBTPU_INIT_ARGS` (libtpu reads its compiler flags there). A variable the user set is left as it
   is, silently: their flags win whole, none of the preset is merged in. `MESHLM_XLA_PRESET=0` turns
-  the presets off. CPU gets none.
+  the presets off (and the CPU's program options). CPU gets no flags.
 - a persistent compilation cache in `<meshlm cache>/jax` (`$MESHLM_CACHE`, else
   `$XDG_CACHE_HOME/meshlm` or `~/.cache/meshlm`, as for tokenizers), unless `JAX_COMPILATION_CACHE_DIR`
   names another folder; `MESHLM_COMPILATION_CACHE=0` turns it off. JAX writes an entry for every
@@ -99,10 +100,27 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.75
 # Only there: the flat programs keep the scheduler the planner's CPU memory model was measured with.
 PIPELINE_CPU_COMPILER_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
 
+# On a CPU with AVX-512, XLA:CPU's own loops (the elementwise fusions: norms, SwiGLU, softmax, the
+# optimizer) are vectorised 512 bits wide instead of its default 256. The matmuls are the matmul
+# library's either way. Bench shape (docs/kernels.md), one process, rounds alternating: `1,8,1,1`
+# 1.028x (328 against 337 ms a step, 608 against 628 ms of CPU), 1 device 1.013x, `2,2,2,1` 0.997x.
+WIDE_VECTOR_CPU_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
 
-def pipeline_compiler_options(platform: str) -> dict | None:
-    """The XLA options a pipelined train step compiles with on `platform` (None: the defaults)."""
-    return dict(PIPELINE_CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+
+def compiler_options(platform: str, *, pipelined: bool = False, cpuinfo: str | None = None,
+                     environ=None) -> dict | None:
+    """The XLA options meshlm's train and eval programs compile with on `platform` (None: XLA's
+    defaults). On CPU: 512-bit loops where the CPU has AVX-512, unless `MESHLM_XLA_PRESET=0` or the
+    user's `XLA_FLAGS` chooses a vector width itself; a pipelined step keeps XLA:CPU's default
+    scheduler (`PIPELINE_CPU_COMPILER_OPTIONS`). GPU and TPU take theirs from the flag presets."""
+    if platform != "cpu":
+        return None
+    environ = os.environ if environ is None else environ
+    options = dict(PIPELINE_CPU_COMPILER_OPTIONS) if pipelined else {}
+    preset = environ.get("MESHLM_XLA_PRESET", "").strip().lower() not in OFF
+    if preset and "avx512f" in _cpu_flags(cpuinfo) and "xla_cpu_prefer_vector_width" not in environ.get("XLA_FLAGS", ""):
+        options.update(WIDE_VECTOR_CPU_COMPILER_OPTIONS)
+    return options or None
 
 
 def simulated_device_flags(xla_flags: str, devices: int) -> str:
@@ -122,19 +140,24 @@ def configure_devices(devices: int | None) -> None:
 _BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 or AMX; Arm's BF16 extension
 
 
-def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has bfloat16 matmul instructions (from /proc/cpuinfo's flags). XLA:CPU's bf16
-    dots use them and then beat float32's; without them bf16 is emulated and slower."""
+def _cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); empty if unreadable."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return False
+            return set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features") and _BF16_CPU_FLAGS & set(value.split()):
-            return True
-    return False
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bfloat16 matmul instructions (from /proc/cpuinfo's flags). XLA:CPU's bf16
+    dots use them and then beat float32's; without them bf16 is emulated and slower."""
+    return bool(_BF16_CPU_FLAGS & _cpu_flags(cpuinfo))
 
 
 def default_dtype(backend: str, serving: bool = False) -> str:

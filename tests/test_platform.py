@@ -219,11 +219,38 @@ def test_simulated_device_flags_replace_the_count_and_keep_the_rest():
     assert flags == ["--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=8"]
 
 
+AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+
+
 def test_pipelined_steps_on_cpu_compile_with_the_default_scheduler():
     """The concurrency-optimised scheduler deadlocked a pp=4 × fsdp=2 step (two devices ran an
     all-gather and a collective-permute in opposite orders); other backends keep their defaults."""
-    assert P.pipeline_compiler_options("cpu") == {"xla_cpu_enable_concurrency_optimized_scheduler": False}
-    assert P.pipeline_compiler_options("gpu") is None and P.pipeline_compiler_options("tpu") is None
+    options = P.compiler_options("cpu", pipelined=True, cpuinfo=AVX2, environ={})
+    assert options == {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+    assert P.compiler_options("cpu", cpuinfo=AVX2, environ={}) is None
+    for backend in ("gpu", "tpu"):
+        assert P.compiler_options(backend, pipelined=True, cpuinfo=AVX512, environ={}) is None
+
+
+def test_cpu_programs_use_wide_vectors_where_the_cpu_has_avx512():
+    wide = {"xla_cpu_prefer_vector_width": 512}
+    assert P.compiler_options("cpu", cpuinfo=AVX512, environ={}) == wide
+    assert P.compiler_options("cpu", pipelined=True, cpuinfo=AVX512, environ={}) == {
+        **wide, "xla_cpu_enable_concurrency_optimized_scheduler": False}
+    # The user's own width, or the presets turned off, win.
+    assert P.compiler_options("cpu", cpuinfo=AVX512, environ={"XLA_FLAGS": "--xla_cpu_prefer_vector_width=256"}) is None
+    assert P.compiler_options("cpu", cpuinfo=AVX512, environ={"MESHLM_XLA_PRESET": "0"}) is None
+
+
+def test_cpu_program_options_are_ones_this_xla_takes():
+    """An option XLA does not know fails the compile ("No such compile option"): compile with all of them."""
+    import jax
+    import jax.numpy as jnp
+
+    options = {**P.WIDE_VECTOR_CPU_COMPILER_OPTIONS, **P.PIPELINE_CPU_COMPILER_OPTIONS}
+    f = jax.jit(lambda x: jnp.exp(x) * 2.0, compiler_options=options)
+    assert float(f(jnp.zeros(()))) == 2.0
 
 
 @pytest.mark.parametrize("flags, fast", [

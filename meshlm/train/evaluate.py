@@ -23,7 +23,7 @@ import numpy as np
 
 from meshlm import sharding
 from meshlm.models.placement import Placement
-from meshlm.train.step import BATCH_KEYS, loss_sums, put_batch
+from meshlm.train.step import BATCH_KEYS, loss_sums, program_options, put_batch
 
 
 def make_eval_step(placement: Placement) -> Callable:
@@ -40,6 +40,7 @@ def make_eval_step(placement: Placement) -> Callable:
         eval_step,
         in_shardings=(placement.shardings, {k: rows for k in BATCH_KEYS}, (replicated, replicated)),
         out_shardings=(replicated, replicated),
+        compiler_options=program_options(placement),
     )
 
 

@@ -20,7 +20,6 @@ from typing import Any
 from meshlm.config import TrainConfig
 from meshlm.errors import UsageError
 from meshlm.flops import model_flops_per_token
-from meshlm.platform import pipeline_compiler_options
 
 
 class StopRequest:
@@ -195,9 +194,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     else:
         state = create_train_state(placement, optimizer, cfg.seed, lora)
     first_step = int(state.step) + 1
-    # A pipelined step on simulated CPU devices keeps its collectives in one order (meshlm.platform).
-    options = pipeline_compiler_options(placement.mesh.devices.flat[0].platform) if pipeline is not None else None
-    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline, lora, options)
+    step_fn = make_train_step(placement, optimizer, lr_schedule(opt_cfg), cfg.grad_accum, pipeline, lora)
     perm = sequence_permutation(placement, cfg.seq_len)
     evaluator = Evaluator(placement, eval_batches, perm) if eval_batches is not None else None
     eval_due = eval_steps(cfg.eval_every, cfg.steps)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshlm import sharding
+from meshlm import platform, sharding
 from meshlm.errors import UsageError
 from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
 from meshlm.models.placement import Placement
@@ -142,8 +142,9 @@ def make_train_step(
     """`step(state, batch) -> (state, metrics)`; the state's buffers are donated (updated in place).
 
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
-    (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train.
-    `compiler_options`: XLA options for this program (`meshlm.platform.pipeline_compiler_options`)."""
+    (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train. The
+    program compiles with the platform's options (`meshlm.platform.compiler_options`), and
+    `compiler_options` on top of them."""
     mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
     update = optax.with_extra_args_support(optimizer).update
     grad_specs = lora.grad_specs if lora is not None else placement.gradient_specs
@@ -180,8 +181,16 @@ def make_train_step(
         in_shardings=(shardings, batch_shardings),
         out_shardings=(shardings, sharding.replicated(placement.mesh)),
         donate_argnums=0,
-        compiler_options=compiler_options,
+        compiler_options=program_options(placement, pipelined=pipeline is not None, extra=compiler_options),
     )
+
+
+def program_options(placement: Placement, *, pipelined: bool = False, extra: dict | None = None) -> dict | None:
+    """The XLA options a train or eval program on `placement`'s mesh compiles with: the platform's
+    (`meshlm.platform.compiler_options`), then `extra`."""
+    options = {**(platform.compiler_options(placement.mesh.devices.flat[0].platform, pipelined=pipelined) or {}),
+               **(extra or {})}
+    return options or None
 
 
 def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None,
