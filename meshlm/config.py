@@ -125,7 +125,7 @@ class PrecisionConfig:
     dtype: str = _flag("auto", "compute dtype: auto (bfloat16 on GPU/TPU and on CPUs with bf16 matmul instructions, float32 on other CPUs), float32, bfloat16")
     param_dtype: str = _flag("float32", "parameter and optimizer-state dtype: float32 (bfloat16 is refused for training: it would keep no float32 master copy; use --dtype=bfloat16 for bf16 compute)")
     remat: str = _flag("auto", "rematerialisation policy, what each layer keeps for the backward: auto (the least "
-                       "recomputation whose predicted peak fits the device; on CPU save_qkv_attn, faster there than keeping the MLP; in meshlm plan the fastest "
+                       "recomputation whose predicted peak fits the device; on CPU none while a step's scratch stays under 64 MiB a device, else save_qkv_attn; in meshlm plan the fastest "
                        "that fits, with more --grad_accum if needed), none (everything), "
                        "save_dots (matmul outputs), save_attn (q, k, v, attention output and its projection: recompute "
                        "the MLP), save_qkv_attn (q, k, v, attention output), full (the layer input)")

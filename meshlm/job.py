@@ -105,30 +105,41 @@ def pipeline_schedule(cfg: TrainConfig, shape: MeshShape, n_layers: int):
 def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> str:
     """What `--remat=auto` means for this job on this mesh.
 
-    CPU: `save_qkv_attn` (else `full`) while its predicted peak fits the host's memory share. XLA:CPU
-    zero-fills the layer loop's saved activations and copies them again before the backward reads them,
-    so keeping the MLP's activations costs more than recomputing them (`meshlm.plan.cost.RESIDUAL_PASSES`;
-    `bench/remat_cpu.py` measures it against `none`: 1.18x tokens/s on 1 device, 1.09x on fsdp=8).
+    CPU: `none` where the step's scratch with every activation kept stays in one block the host's
+    allocator keeps between steps (`meshlm.platform.keep_host_memory`, `KEPT_BLOCK_BYTES`), else
+    `save_qkv_attn` (else `full`) while its predicted peak fits the host's memory share. A larger
+    scratch is mapped and faulted in anew every step, so keeping the MLP's activations then costs more
+    than recomputing them; XLA:CPU also zero-fills the layer loop's saved activations and copies them
+    again before the backward reads them (`meshlm.plan.cost.RESIDUAL_PASSES`). `bench/remat_cpu.py`
+    times the policies.
     GPU and TPU: the least recomputation whose peak, as `meshlm plan` predicts it, fits what JAX may use
     of one device (`meshlm.plan.remat.first_fitting`)."""
     import jax
 
+    from meshlm import platform
+    from meshlm.plan.estimate import memory_pie
     from meshlm.plan.hardware import host_memory_bytes
     from meshlm.plan.memory import compiler_for
     from meshlm.plan.job import Job as PlanJob, PipelineFlags
-    from meshlm.plan.remat import CPU_POLICIES, POLICIES, first_fitting
+    from meshlm.plan.remat import CPU_POLICIES, POLICIES, first_fitting, with_remat
     from meshlm.plan.search import HEADROOM
 
     device = device or jax.devices()[0]
     flags = PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
     job = PlanJob(model, cfg.batch_size, cfg.seq_len, shape.n_devices, cfg.grad_accum, flags)
+    compiler = compiler_for(device.device_kind)
     if device.platform == "cpu":
         limit, policies = host_memory_bytes() / shape.n_devices, CPU_POLICIES
+        keep_all = memory_pie(with_remat(job, "none"), shape, compiler)
+        scratch = keep_all.total - keep_all.params - keep_all.optimizer  # freed and allocated again each step
+        if (platform.keep_host_memory() and scratch <= platform.KEPT_BLOCK_BYTES
+                and keep_all.total <= limit * (1 - HEADROOM)):
+            return "none"
     else:
         limit, policies = (device.memory_stats() or {}).get("bytes_limit"), POLICIES
         if not limit:
             return "none"
-    return first_fitting(job, shape, limit * (1 - HEADROOM), policies, compiler_for(device.device_kind))[0]
+    return first_fitting(job, shape, limit * (1 - HEADROOM), policies, compiler)[0]
 
 
 def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:

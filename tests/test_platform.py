@@ -269,3 +269,47 @@ def test_auto_dtype_is_bf16_where_cpu_matmuls_are_fast(monkeypatch, flags, fast)
     assert platform.resolve_dtype("auto", "cpu", serving=True) == "float32"
     assert platform.resolve_dtype("auto", "gpu") == platform.resolve_dtype("auto", "tpu", serving=True) == "bfloat16"
     assert platform.resolve_dtype("float32", "gpu") == "float32"
+
+
+def test_the_allocator_is_left_alone_where_the_user_tuned_it():
+    assert not P.allocator_left_alone({})
+    assert P.allocator_left_alone({"MALLOC_ARENA_MAX": "2"})
+    assert P.allocator_left_alone({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"})
+    assert P.allocator_left_alone({"MESHLM_HOST_ALLOCATOR": "0"})
+    assert not P.allocator_left_alone({"GLIBC_TUNABLES": "glibc.rtld.optional_static_tls=512"})
+
+
+_FAULTS_OF_A_FRESH_BLOCK = """
+import ctypes, resource, sys
+from meshlm import platform
+kept = platform.keep_host_memory() if sys.argv[1] == "keep" else False
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 48 << 20  # over glibc's mmap threshold (at most 32 MiB), within one kept block
+
+def fill_a_fresh_block():
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+
+fill_a_fresh_block()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+fill_a_fresh_block()  # the same again: page faults only where the memory went back to the kernel
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
+def test_kept_host_memory_is_not_faulted_in_again():
+    """What a CPU step's scratch meets each run: a block freed and allocated again. By default glibc
+    unmaps it and the second one faults all 12,288 pages in again; kept, it is served from the heap."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.pop("MESHLM_HOST_ALLOCATOR", None)
+    runs = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_FRESH_BLOCK, mode], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        runs[mode] = (out[0] == "True", int(out[1]))
+    assert runs["keep"][0] is True
+    assert runs["default"][1] > 10_000 and runs["keep"][1] < 100, runs

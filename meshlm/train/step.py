@@ -176,6 +176,8 @@ def make_train_step(
 
     shardings = state_shardings(placement, optimizer, lora)
     batch_shardings = {k: sharding.batch_sharding(placement.mesh, placement.strategy) for k in BATCH_KEYS}
+    if placement.mesh.devices.flat[0].platform == "cpu":
+        platform.keep_host_memory()  # each step's scratch stays mapped for the next (no page faults)
     return jax.jit(
         step,
         in_shardings=(shardings, batch_shardings),

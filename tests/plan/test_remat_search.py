@@ -88,9 +88,28 @@ class _Device:
         return {"bytes_limit": self.limit}
 
 
-def test_train_auto_recomputes_the_mlp_on_cpu_and_takes_the_fitting_policy_on_an_accelerator():
+def test_train_auto_on_cpu_keeps_everything_while_the_scratch_stays_in_one_kept_block(monkeypatch):
+    """A step whose scratch (every activation kept) stays in one block glibc keeps between steps keeps
+    everything; a larger one recomputes the MLP, as does any job where the allocator was left alone."""
+    from meshlm import platform
+
+    cpu = _Device("cpu", None)
     small = TrainConfig(model="tiny", batch_size=8, seq_len=256)
-    assert auto_remat(small, resolve_model(small)[0], MeshShape(1, 8, 1, 1), _Device("cpu", None)) == "save_qkv_attn"
+    monkeypatch.setattr(platform, "keep_host_memory", lambda environ=None: True)
+    model = resolve_model(small)[0]
+    pie = estimate.memory_pie(remat.with_remat(Job(model, 8, 256, 8), "none"), MeshShape(1, 8, 1, 1))
+    assert pie.total - pie.params - pie.optimizer <= platform.KEPT_BLOCK_BYTES
+    assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "none"
+    # One device holds the whole batch's activations: 8 times the scratch, past the block.
+    assert auto_remat(small, model, MeshShape(1, 1, 1, 1), cpu) == "save_qkv_attn"
+    monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", 0)
+    assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
+    monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", 64 << 20)
+    monkeypatch.setattr(platform, "keep_host_memory", lambda environ=None: False)
+    assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
+
+
+def test_train_auto_recomputes_the_mlp_on_cpu_and_takes_the_fitting_policy_on_an_accelerator():
     cfg = TrainConfig(model="llama3-8b", batch_size=8, seq_len=8192, dtype="bfloat16")
     model, _ = resolve_model(cfg)
     shape = MeshShape(1, 8, 1, 1)
