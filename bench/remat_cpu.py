@@ -1,7 +1,8 @@
 """Which --remat policy and attention kernel train fastest on this CPU: tokens/s of each, against
 `--remat=none` with dense attention measured in the same process.
 
-Why it exists: `--remat=auto` on CPU means `save_qkv_attn`, and `--attention=auto` on CPU is blockwise
+Why it exists: `--remat=auto` on CPU means `none` while a step's scratch fits in the 64 MiB block the
+host allocator keeps between steps and `save_qkv_attn` beyond that, and `--attention=auto` on CPU is blockwise
 from 256 tokens (`meshlm.job.auto_remat`, `meshlm.ops.kernels.DENSE_BELOW`). Both rest on this
 measurement; re-run it on a new machine or JAX version before changing either.
 

@@ -11,7 +11,8 @@ The policies, from the least recomputation to the most (and, roughly, the most m
 
 `meshlm plan` rates each with the cost model and keeps the fastest that fits; `meshlm train` (which
 has no step-time model of the machine it runs on) takes the first in this order whose predicted peak
-fits the device's memory, and on CPU the first of `CPU_POLICIES` (see `meshlm.job.auto_remat`).
+fits the device's memory, and on CPU `none` while the step's scratch fits in the block the host allocator
+keeps, else the first of `CPU_POLICIES` (see `meshlm.job.auto_remat`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from meshlm.plan import estimate
 from meshlm.plan.job import Job
 
 POLICIES = ("none", "save_dots", "save_attn", "save_qkv_attn", "full")
-CPU_POLICIES = ("save_qkv_attn", "full")  # XLA:CPU: recomputing beats storing (meshlm.job.auto_remat)
+CPU_POLICIES = ("save_qkv_attn", "full")  # XLA:CPU past a kept block of scratch: recomputing beats storing (meshlm.job.auto_remat)
 ACCUMS = (1, 2, 4, 8, 16, 32, 64)
 
 
