@@ -132,7 +132,9 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
         end = float(lr_schedule(opt_cfg)(cfg.steps))
         console.print(f"note: --warmup_steps={warmup} is not below --steps={cfg.steps}: the learning rate never reaches "
                       f"--lr={cfg.lr:g} (it is {end:.3g} at the last step); lower --warmup_steps to reach it")
-    console.print(f"model: {cfg.model or init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, params {model_cfg.param_dtype}")
+    remat = model_cfg.remat + (" (auto)" if cfg.remat == "auto" else "")
+    console.print(f"model: {cfg.model or init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, "
+                  f"params {model_cfg.param_dtype}, remat {remat}")
     console.print(
         f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on "
         f"{plural(n_devices, jax.devices()[0].platform + ' device')}; batch {cfg.batch_size} × seq {cfg.seq_len}, grad_accum {cfg.grad_accum}"

@@ -82,6 +82,8 @@ def test_resume_reports_mesh_schedule_and_only_the_steps_it_ran(two_steps, tmp_p
     assert "over 4 steps" not in text
     line_with(f"checkpoint {out / 'checkpoints' / '4'}")
     line_with(f"next: meshlm generate --checkpoint={out}")
+    # The policy --remat=auto chose (on CPU: every activation kept, the test model's scratch being small).
+    assert "; compute float32, params float32, remat none (auto)" in line_with("model: test")
     assert summary["first_step"] == 3 and summary["steps_run"] == 2
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
 
