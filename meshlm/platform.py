@@ -354,7 +354,7 @@ def keep_host_memory(environ=None) -> bool:
     mmap and unmaps it when freed, and trims freed heap memory back to the kernel; the next step then
     faults every page in again, zero-filled. On the bench shape (docs/kernels.md) `--remat=none` on
     `1,8,1,1` faulted 59,000 pages a step (230 MB) and ran 0.84x of the default policy; with these
-    settings it faults about 90 and is the faster of the two. Leaves the allocator alone where the
+    settings it faults under 100 and is the faster of the two. Leaves the allocator alone where the
     user tuned it through the environment (`MALLOC_*_` variables, `GLIBC_TUNABLES` with
     glibc.malloc), where the C library is not glibc, and with `MESHLM_HOST_ALLOCATOR=0`."""
     global _host_allocator_kept
