@@ -54,6 +54,11 @@ class Placement:
         return sharding.named(self.mesh, self.specs)
 
     @property
+    def platform(self) -> str:
+        """The platform ("cpu", "gpu", "tpu") of the mesh's devices (a TPU topology's on a CPU host)."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def gradient_specs(self) -> Any:
         """The PartitionSpecs the gradients live in: `grad_specs`, or the parameters' own."""
         return self.grad_specs if self.grad_specs is not None else self.specs

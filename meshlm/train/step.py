@@ -151,12 +151,12 @@ def make_train_step(
     # On XLA:CPU, gradients split over the data axes (ZeRO 2, 3, the default tables) take their norm in one
     # reduction across devices: XLA:CPU runs every buffer of a combined collective as a rendezvous of
     # all the device threads, one per leaf's sum of squares otherwise (docs/kernels.md). Gradients whole
-    # on every data shard (ZeRO 0, 1) have no reduction over the data axes to save, and the partitioner's
-    # own form keeps XLA:CPU's per-step scratch under glibc's 32 MiB mmap threshold on the bench shape (in
-    # one buffer it went over: every step then faulted its pages in anew, 1.25x slower). XLA:TPU and
+    # on every data shard (ZeRO 0, 1) have no reduction over the data axes to save. (Measured before the
+    # step's scratch was kept between runs, `meshlm.platform.keep_host_memory`: in one buffer their scratch
+    # on the bench shape went over glibc's 32 MiB mmap threshold and every step faulted it in anew.) XLA:TPU and
     # XLA:GPU run a combined all-reduce as one collective: their programs (and the plan's fit to the
     # TPU's) stay as they were.
-    split = placement.mesh.devices.flat[0].platform == "cpu" and sharding.splits_over(
+    split = placement.platform == "cpu" and sharding.splits_over(
         grad_specs, placement.strategy.data_axes(placement.mesh))
 
     def norm_of(grads):
@@ -176,7 +176,7 @@ def make_train_step(
 
     shardings = state_shardings(placement, optimizer, lora)
     batch_shardings = {k: sharding.batch_sharding(placement.mesh, placement.strategy) for k in BATCH_KEYS}
-    if placement.mesh.devices.flat[0].platform == "cpu":
+    if placement.platform == "cpu":
         platform.keep_host_memory()  # each step's scratch stays mapped for the next (no page faults)
     return jax.jit(
         step,
@@ -190,7 +190,7 @@ def make_train_step(
 def program_options(placement: Placement, *, pipelined: bool = False, extra: dict | None = None) -> dict | None:
     """The XLA options a train or eval program on `placement`'s mesh compiles with: the platform's
     (`meshlm.platform.compiler_options`), then `extra`."""
-    options = {**(platform.compiler_options(placement.mesh.devices.flat[0].platform, pipelined=pipelined) or {}),
+    options = {**(platform.compiler_options(placement.platform, pipelined=pipelined) or {}),
                **(extra or {})}
     return options or None
 

@@ -102,9 +102,10 @@ def test_train_auto_on_cpu_keeps_everything_while_the_scratch_stays_in_one_kept_
     assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "none"
     # One device holds the whole batch's activations: 8 times the scratch, past the block.
     assert auto_remat(small, model, MeshShape(1, 1, 1, 1), cpu) == "save_qkv_attn"
+    kept = platform.KEPT_BLOCK_BYTES
     monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", 0)
     assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
-    monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", 64 << 20)
+    monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", kept)
     monkeypatch.setattr(platform, "keep_host_memory", lambda environ=None: False)
     assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
 
