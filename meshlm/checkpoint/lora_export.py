@@ -23,6 +23,7 @@ import numpy as np
 from meshlm.checkpoint.folders import Staging, check_out
 from meshlm.checkpoint.hf_folder import write_hf
 from meshlm.checkpoint.hf_map import Leaf, get_path, leaves
+from meshlm.checkpoint.origin import hf_base
 from meshlm.checkpoint.safetensors_io import SafetensorsWriter, np_dtype
 from meshlm.checkpoint.source import ArraySource, Source
 from meshlm.errors import UsageError
@@ -194,9 +195,12 @@ def open_base(cfg: ModelConfig, lora: dict, base: str | Path | None = None) -> S
 
 def export_peft(checkpoint: str | Path, out: str | Path, step: int | None = None, base: str | None = None,
                 dtype: str | None = None) -> Path:
-    """`meshlm export --lora_format=peft`: the checkpoint's adapters as a PEFT adapter folder."""
+    """`meshlm export --lora_format=peft`: the checkpoint's adapters as a PEFT adapter folder, whose
+    `base_model_name_or_path` is a Hugging Face folder (`--base`, or the run's `--init_from` folder, or the folder
+    that params folder was converted from) so that `AutoPeftModelForCausalLM.from_pretrained(out)` loads it."""
     cfg, lora, adapters = read_adapters(checkpoint, step)
-    name = str(Path(base).expanduser().absolute()) if base else lora.get("base")
+    recorded = base if base is not None else lora.get("base")
+    name = hf_base(recorded) if recorded is not None else None  # a random base has no folder to name
     return write_peft(cfg, lora, adapters, out, name, dtype)
 
 

@@ -32,7 +32,10 @@ def convert(argv: list[str]) -> int:
         if not args.out:
             raise UsageError("--from_hf needs --out=P, the folder to write")
         _check_out(args.out, "--out")
+        from meshlm.checkpoint.origin import record_origin
+
         path = convert_from_hf(args.from_hf, args.out, args.dtype)
+        record_origin(path, args.from_hf)  # so a LoRA export on this folder names the Hugging Face base
     else:
         if not args.checkpoint:
             raise UsageError("--to_hf needs --checkpoint=P, what to convert")

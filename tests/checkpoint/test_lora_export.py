@@ -36,14 +36,20 @@ def run(tmp_path_factory):
                             lora.shapes, lora.shardings)
     base = load_params(root / "base", placement)
     state = TrainState(jnp.zeros((), jnp.int32), {"base": base, "lora": adapters}, optax.adamw(1e-3).init(adapters))
-    ckpt = Checkpointer(root / "run" / "checkpoints", async_save=False)
-    ckpt.save(3, checkpointed(state, lora), {"position": 0},
-              {"model": dataclasses.asdict(cfg), "lora": lora_meta(lora, root / "base", 0)})
-    ckpt.close()
+
+    def save(base, name):
+        """The run's checkpoint in root/name, recording `base` as its --init_from folder."""
+        ckpt = Checkpointer(root / name / "checkpoints", async_save=False)
+        ckpt.save(3, checkpointed(state, lora), {"position": 0},
+                  {"model": dataclasses.asdict(cfg), "lora": lora_meta(lora, base, 0)})
+        ckpt.close()
+        return root / name
+
+    save(root / "base", "run")
     tokens = tokens_for(cfg.vocab_size)
     logits = meshlm_logits(placement, jax.jit(lora.merge)(base, adapters), tokens)
     base_logits = meshlm_logits(placement, base, tokens)
-    return dict(root=root, cfg=cfg, tokens=tokens, logits=logits, base_logits=base_logits)
+    return dict(root=root, cfg=cfg, tokens=tokens, logits=logits, base_logits=base_logits, save=save)
 
 
 def test_peft_adapter_loads_in_peft_with_meshlm_logits(run):
@@ -102,3 +108,31 @@ def test_bad_export_flags_one_line(run, tmp_path, capsys, flags, says):
     code = main(["export", f"--checkpoint={run['root'] / 'run'}", f"--out={tmp_path / 'o'}", *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and says in err and "\n" not in err, err
+
+
+def test_peft_export_after_convert_names_the_hugging_face_base(run, capsys):
+    """The convert-first flow (`convert --from_hf` then `--init_from=PARAMS`): the adapter's base is the Hugging
+    Face folder the params folder came from, so AutoPeftModelForCausalLM loads it from the adapter alone."""
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    root = run["root"]
+    assert main(["convert", f"--from_hf={root / 'base'}", f"--out={root / 'params'}"]) == 0
+    checkpoint = run["save"](root / "params", "run_on_params")
+    out = root / "peft_from_params"
+    assert main(["export", f"--checkpoint={checkpoint}", f"--out={out}", "--lora_format=peft"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((root / "base").absolute())
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        got = model.eval()(torch.as_tensor(run["tokens"], dtype=torch.long)).logits.float().numpy()
+    np.testing.assert_allclose(got, run["logits"], atol=1e-4)
+
+    # A params folder with no recorded origin: one line naming --base, nothing written; --base fixes it.
+    (root / "params" / "converted_from.json").unlink()
+    capsys.readouterr()
+    code = main(["export", f"--checkpoint={checkpoint}", f"--out={root / 'peft2'}", "--lora_format=peft"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "give --base=DIR" in err and "\n" not in err, err
+    assert not (root / "peft2").exists()
+    assert main(["export", f"--checkpoint={checkpoint}", f"--out={root / 'peft2'}", "--lora_format=peft",
+                 f"--base={root / 'base'}"]) == 0
