@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from meshlm.checkpoint import checksums
 from meshlm.checkpoint.folders import TOKENIZER_DIR, carried_files
 from meshlm.checkpoint.hf_map import Leaf, get_path, leaves, set_path
 from meshlm.checkpoint.source import WholeLeafSource
@@ -52,7 +53,7 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> tuple[Path, in
     else:
         raise UsageError(f"--checkpoint={p} holds no training checkpoint; pass a run's output_dir or its checkpoints/")
     if step is None:
-        ckpt = Checkpointer(directory, async_save=False)
+        ckpt = Checkpointer(directory, async_save=False, read_only=True)
         step = ckpt.latest_step()
         ckpt.close()
         if step is None:
@@ -71,11 +72,14 @@ def complete_steps(directory: Path) -> list[int]:
 
 
 def another_step(directory: Path, step: int) -> str:
-    """What to pass instead of a broken `step`: only steps that exist."""
+    """What to pass instead of a broken `step`: the newest other step whose files verify."""
     others = [s for s in complete_steps(directory) if s != step]
     if not others:
         return "it is the only checkpoint there, so there is no other --step to pass"
-    return f"pass --step={max(others)}" + (f" (steps there: {', '.join(map(str, others))})" if len(others) > 1 else "")
+    good = checksums.newest_verifying(directory, others)
+    if good is None:
+        return f"no other step there is intact (steps there: {', '.join(map(str, others))})"
+    return f"pass --step={good}" + (f" (steps there: {', '.join(map(str, others))})" if len(others) > 1 else "")
 
 
 def config_from_meta(model: dict) -> ModelConfig:
@@ -98,7 +102,10 @@ class TrainCheckpoint(WholeLeafSource):
         directory, self.step, run_dir = find_checkpoint(path, step)
         self.where = str(directory / str(self.step))
         self._instead = another_step(directory, self.step)
-        ckpt = Checkpointer(directory, async_save=False)
+        mismatch = checksums.first_mismatch(directory / str(self.step))
+        if mismatch:
+            raise UsageError(f"checkpoint {self.where} is incomplete or corrupt ({mismatch}); {self._instead}")
+        ckpt = Checkpointer(directory, async_save=False, read_only=True)
         try:
             with reads_that_may_fail():
                 meta = ckpt.meta(self.step)
@@ -135,7 +142,7 @@ class TrainCheckpoint(WholeLeafSource):
     def _restore(self, item: dict, restore_args: dict) -> dict:
         import orbax.checkpoint as ocp
 
-        from meshlm.checkpoint.manager import reads_that_may_fail
+        from meshlm.checkpoint.manager import error_line, reads_that_may_fail
 
         args = ocp.args.PyTreeRestore(
             item={"params": item}, restore_args={"params": restore_args}, partial_restore=True
@@ -144,10 +151,7 @@ class TrainCheckpoint(WholeLeafSource):
             with reads_that_may_fail():
                 return self._ckptr.restore(self.state_dir, args=args)["params"]
         except Exception as e:  # noqa: BLE001  (truncated or corrupt files surface as many error types)
-            first = (str(e).splitlines() or [""])[0][:200]
-            raise UsageError(
-                f"checkpoint {self.where} is incomplete or corrupt ({type(e).__name__}: {first}); {self._instead}"
-            ) from None
+            raise UsageError(f"checkpoint {self.where} is incomplete or corrupt ({error_line(e)}); {self._instead}") from None
 
     def whole_leaf(self, leaf: Leaf) -> np.ndarray:
         """One whole leaf in host memory, by an Orbax partial restore of that leaf alone."""
