@@ -162,6 +162,9 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                       + f", every {cfg.eval_every or max(1, cfg.steps // 10)} steps and after the last")
     if loader.chat_data is not None:
         console.print(loader.chat_data.describe(cfg.seq_len, loader.chat))
+    if loader.steps_per_epoch:  # real data: how many times this run reads it
+        console.print(f"data: a pass over the data (an epoch) is {plural(loader.steps_per_epoch, 'step')} of "
+                      f"{cfg.batch_size} rows; --steps={cfg.steps} makes {cfg.steps / loader.steps_per_epoch:.3g} passes")
     schedule = {"lr": cfg.lr, "warmup_steps": warmup, "total_steps": schedule_steps, "min_lr_ratio": cfg.min_lr_ratio}
     run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "mesh": shape.flags, "seed": cfg.seed,
                 "schedule": schedule, "train": dataclasses.asdict(cfg)}

@@ -40,6 +40,8 @@ def test_chat_fine_tuning_logs_its_data_and_keeps_the_template_for_serving(tmp_p
     assert summary["final_loss"] is not None and summary["diverged"] is None
     assert "chat data: 50 conversations in" in log and "template chatml; loss on assistant tokens" in log
     assert "longer than --seq_len=128 dropped" in log or "longer than" not in log
+    rows = int(log.split("chat data: 50 conversations in ")[1].split(" rows")[0])
+    assert f"an epoch) is {rows // 8} step" in log and f"--steps=2 makes {2 / (rows // 8):.3g} passes" in log
     from meshlm.checkpoint.folders import carried_files  # the files a run's checkpoint carries to meshlm serve
     from meshlm.serve.loading import read_chat_template
 
