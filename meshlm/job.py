@@ -102,8 +102,40 @@ def pipeline_schedule(cfg: TrainConfig, shape: MeshShape, n_layers: int):
                             cfg.batch_size, cfg.grad_accum, shape.data)
 
 
+def device_memory(device=None) -> tuple[float | None, str]:
+    """(bytes one device may use, whose memory that is, in words): on CPU the host's memory less the
+    operating system's share (`meshlm.plan.hardware.host_memory_budget`) over this process's simulated
+    devices, which share it; elsewhere what JAX's client reports (None where it says nothing)."""
+    import jax
+
+    from meshlm.plan.hardware import device_memory_budget, host_memory_budget, host_memory_bytes
+
+    device = device or jax.local_devices()[0]
+    if device.platform == "cpu":
+        n = jax.local_device_count()
+        return host_memory_budget() / n, (f"this host's {host_memory_bytes() / 2**30:.1f} GiB of memory leaves each "
+                                          f"of its {n} simulated device(s) after the operating system's share")
+    return device_memory_budget(device), f"JAX may use of one {device.device_kind}"
+
+
+def memory_compiler(device) -> str:
+    """Whose buffer assignment the memory model takes for `device` (`meshlm.plan.memory.compiler_for`)."""
+    from meshlm.plan.memory import compiler_for
+
+    return "gpu" if device.platform == "gpu" else compiler_for(device.device_kind)
+
+
+def plan_job(cfg: TrainConfig, model: ModelConfig, shape: MeshShape):
+    """This job as `meshlm plan` sees it (`meshlm.plan.job.Job`)."""
+    from meshlm.plan.job import Job as PlanJob, PipelineFlags
+
+    flags = PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
+    return PlanJob(model, cfg.batch_size, cfg.seq_len, shape.n_devices, cfg.grad_accum, flags)
+
+
 def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> str:
-    """What `--remat=auto` means for this job on this mesh.
+    """What `--remat=auto` means for this job on this mesh (`meshlm.plan.fit.auto_policy`, which
+    `meshlm plan --hardware=cpu` calls too).
 
     CPU: `none` where the step's scratch with every activation kept stays in one block the host's
     allocator keeps between steps (`meshlm.platform.keep_host_memory`, `KEPT_BLOCK_BYTES`), else
@@ -117,29 +149,42 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
     import jax
 
     from meshlm import platform
-    from meshlm.plan.estimate import memory_pie
-    from meshlm.plan.hardware import host_memory_bytes
-    from meshlm.plan.memory import compiler_for
-    from meshlm.plan.job import Job as PlanJob, PipelineFlags
-    from meshlm.plan.remat import CPU_POLICIES, POLICIES, first_fitting, with_remat
-    from meshlm.plan.search import HEADROOM
+    from meshlm.plan.fit import auto_policy
 
-    device = device or jax.devices()[0]
-    flags = PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
-    job = PlanJob(model, cfg.batch_size, cfg.seq_len, shape.n_devices, cfg.grad_accum, flags)
-    compiler = compiler_for(device.device_kind)
+    device = device or jax.local_devices()[0]
+    budget, _ = device_memory(device)
+    if not budget:
+        return "none"
+    kept = None
     if device.platform == "cpu":
-        limit, policies = host_memory_bytes() / shape.n_devices, CPU_POLICIES
-        keep_all = memory_pie(with_remat(job, "none"), shape, compiler)
-        scratch = keep_all.total - keep_all.params - keep_all.optimizer  # freed and allocated again each step
-        if (platform.keep_host_memory() and scratch <= platform.KEPT_BLOCK_BYTES
-                and keep_all.total <= limit * (1 - HEADROOM)):
-            return "none"
-    else:
-        limit, policies = (device.memory_stats() or {}).get("bytes_limit"), POLICIES
-        if not limit:
-            return "none"
-    return first_fitting(job, shape, limit * (1 - HEADROOM), policies, compiler)[0]
+        kept = platform.KEPT_BLOCK_BYTES if platform.keep_host_memory() else 0
+    return auto_policy(plan_job(cfg, model, shape), shape, budget, memory_compiler(device), kept)
+
+
+MEMORY_CHECK = "MESHLM_MEMORY_CHECK"  # 0: run a job the memory model predicts not to fit
+
+
+def check_memory(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> None:
+    """One line, before anything compiles, when the job's predicted peak (`meshlm plan`'s memory model)
+    exceeds what a device may use (`device_memory`), naming the nearest change that fits. Skipped with
+    MESHLM_MEMORY_CHECK=0, and for LoRA runs (the model counts every weight's gradient and moments)."""
+    import os
+
+    import jax
+
+    from meshlm.plan.fit import misfit
+
+    if os.environ.get(MEMORY_CHECK, "").strip().lower() in ("0", "false", "no", "off") or cfg.lora_rank:
+        return
+    device = device or jax.local_devices()[0]
+    budget, where = device_memory(device)
+    if not budget:
+        return
+    if cfg.remat == "auto":  # what auto chose was the least it could: changes keep auto choosing
+        model = model.replace(remat="auto")
+    problem = misfit(plan_job(cfg, model, shape), shape, budget, memory_compiler(device), where)
+    if problem:
+        raise UsageError(f"{problem} ({MEMORY_CHECK}=0 runs it anyway)")
 
 
 def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
@@ -221,6 +266,8 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
         check_output(cfg, model)
     if model.remat == "auto":
         model = model.replace(remat=auto_remat(cfg, model, shape))
+    if output:
+        check_memory(cfg, model, shape)
     strategy, rules = choose_strategy(cfg, shape, pipeline is not None)
     if init_source is not None and rules and rules.layers:
         raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")

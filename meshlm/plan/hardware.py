@@ -168,10 +168,32 @@ CATALOG: dict[str, Hardware] = {
 }
 
 NAMES = (*CATALOG, "cpu")
+GPU_NAMES = tuple(name for name in CATALOG if backend_of(name) == "gpu")
+
+
+# What the operating system and the process itself (Python, JAX, the compiler) keep of the host's memory
+# beside a CPU step's buffers: a tenth of it and 2 GiB more.
+OS_SHARE, OS_BYTES = 0.10, 2 * 2**30
 
 
 def host_memory_bytes() -> float:
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    """The host's memory: physical RAM, or the cgroup's limit where that is lower (a container)."""
+    physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = open(path).read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            physical = min(physical, float(limit))
+    return physical
+
+
+def host_memory_budget() -> float:
+    """Bytes a CPU job may use on this host: its memory (`host_memory_bytes`) less what the operating
+    system keeps (`OS_SHARE`, `OS_BYTES`). Every simulated device of a process shares it."""
+    total = host_memory_bytes()
+    return max(0.0, total * (1 - OS_SHARE) - OS_BYTES)
 
 
 def best_seconds(call, repeats: int) -> float:
@@ -292,7 +314,8 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     Compute: the peak `meshlm train` uses for MFU on CPU (`meshlm.flops.matmul_probe`, the same
     size and duration, split evenly among the devices), so the two MFUs share one definition. It is
     measured on each run, so on a busy machine it moves between runs; `--peak_tflops` pins it.
-    Memory: physical RAM split evenly. Links: simulated collectives are memory copies, so both
+    Memory: the host's memory less the operating system's share (`host_memory_budget`), split evenly:
+    the devices share one RAM, so more of them hold no more. Links: simulated collectives are memory copies, so both
     domains get the measured copy bandwidth split among the devices, and each collective pays the
     measured rendezvous of the devices' threads (`collective_latency_probe`). Matmuls with few rows per
     device run below the peak: `matmul_rows_probe` measures the fraction at 64 to 1024 rows. Each step of
@@ -309,7 +332,7 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     latency_note = f"{latency * 1e6:.0f} µs per collective and {ring_step * 1e3:.2f} ms per ring step over {over} devices"
     if over < n_devices:
         latency_note += f" (the {over} of the {n_devices} this process has)"
-    return Hardware("cpu", peak, peak, host_memory_bytes() / n_devices, copy, copy, copy,
+    return Hardware("cpu", peak, peak, host_memory_budget() / n_devices, copy, copy, copy,
                     fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
                     source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy, {latency_note}), "
                            f"split over {n_devices} devices",

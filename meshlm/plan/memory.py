@@ -52,7 +52,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm.mesh import MeshShape
-from meshlm.plan.hardware import CATALOG
+from meshlm.plan.hardware import CATALOG, GPU_NAMES
+
+GPUS = [CATALOG[name] for name in GPU_NAMES]
 from meshlm.plan.job import Job, Local
 from meshlm.plan.state_bytes import state_bytes
 
@@ -129,11 +131,47 @@ def onchip_eligible(held: dict[str, int], exact: dict[str, int], shape: MeshShap
 LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
 
 
+# XLA:GPU with the layer loop unrolled (`meshlm.models.llama.scan_unroll`: all layers per iteration, the
+# GPU default). Each layer's saved activations are then buffers of their own, freed as soon as the
+# backward pass has read them, and each layer's weight gradients are made only when the backward pass
+# reaches it; a scanned loop instead keeps the stacked activations until the loop ends and allocates
+# the stacked gradients before it starts (the `gradients` and `activations` terms of both `PLACES`).
+# Counting every gradient beside every activation double counts the layers' share: unrolled, the
+# backward pass trades one for the other, layer by layer. Its peak is at one end of that walk:
+#   start  every saved activation, the last layer's weight gradients and the head's (the loss makes it in
+#          the forward pass, `meshlm.models.loss`), beside the first layer's working set
+#   end    every gradient (the embedding's is made last), the first layer's activations, the working set
+# The working set keeps XLA:CPU's coefficients (the larger of its two places). On an H200 with llama3-8b's
+# layers (8 layers, 1 × 8192 tokens, docs/plan.md) this predicts 54.9 GB against 52.0 GB measured; the
+# scanned loop's model predicted 64.5 GB.
+UNROLLED_WORKING_SET = {"stream": 11.71, "layer": 1.09, "weights": 3.28, "accum": 2.23}
+
+
+def unrolled_on_gpu(cfg, compiler: str) -> bool:
+    """Whether the compiled step runs its layers unrolled on a GPU (`scan_unroll` 0, auto, or every layer)."""
+    return compiler == "gpu" and (cfg.scan_unroll == 0 or cfg.scan_unroll >= cfg.n_layers)
+
+
+def unrolled_places(exact: dict[str, int], sizes: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The two ends of an unrolled backward pass (`UNROLLED_WORKING_SET`): place -> term -> bytes."""
+    working = {k: int(c * sizes[k]) for k, c in UNROLLED_WORKING_SET.items()}
+    layers = sizes["layers"]
+    one_layer_grads, one_layer_acts = sizes["layer_gradients"] // layers, exact["activations"] // layers
+    return {
+        "backward start": {**working, "gradients": one_layer_grads + sizes["tables"],
+                           "activations": exact["activations"]},
+        "backward end": {**working, "gradients": exact["gradients"], "activations": one_layer_acts},
+    }
+
+
 def compiler_for(hardware: str) -> str:
-    """The compiler whose buffer assignment was fitted, for a hardware catalog name (`tpu-v5p`) or a JAX
-    device kind (`TPU v5 lite`): "cpu" (XLA:CPU's `PLACES`, also for GPUs), "tpu" (XLA:TPU's), or the
+    """The compiler whose buffer assignment is modelled, for a hardware catalog name (`tpu-v5p`) or a JAX
+    device kind (`TPU v5 lite`, `NVIDIA H200`): "cpu" (XLA:CPU's `PLACES`), "gpu" (XLA:GPU: XLA:CPU's
+    `PLACES` for a scanned layer loop, `UNROLLED_PLACES` for the unrolled one), "tpu" (XLA:TPU's), or the
     catalog name of a TPU with on-chip memory for temporaries ("tpu-v5e": XLA:TPU's with `onchip_bytes`)."""
     name = hardware.strip().lower()
+    if name in GPU_NAMES or name.startswith("nvidia") or any(name == hw.device_kind.lower() for hw in GPUS):
+        return "gpu"
     if not name.startswith("tpu"):
         return "cpu"
     for key, hw in CATALOG.items():
@@ -211,6 +249,10 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
         "activations": activations,
         "scores": loc.rows * loc.heads * loc.length ** 2 * 4 if shape.sp > 1 else 0,
         "cast_params": exact["params"] * a // p,
+        # The layers' share of the gradients (the rest: embedding, head, final norm), for `unrolled_places`.
+        "layers": cfg.n_layers,
+        "layer_gradients": grads * cfg.n_layers * loc.w_layer
+        // (cfg.n_layers * loc.w_layer + loc.w_table * (1 if cfg.tie_embeddings else 2)),
     }
     return exact, sizes
 
@@ -220,7 +262,7 @@ def places(exact: dict[str, int], sizes: dict[str, int], shape: MeshShape, compi
     """Bytes of each buffer each place holds in HBM (place -> term -> bytes) from `terms`' sizes, with the
     temporaries of `compiler`; on hardware with on-chip memory, each place's share on chip as a negative
     "on chip" term, and the loss place (`loss`, default `LOSS_PLACE`)."""
-    table = PLACES["tpu" if compiler.startswith("tpu") else compiler]
+    table = PLACES["tpu" if compiler.startswith("tpu") else "cpu"]  # a GPU's scanned loop: XLA:CPU's
     held = {place: {k: int(c * sizes[k]) for k, c in coeffs.items()} for place, coeffs in table.items()}
     onchip = onchip_bytes(compiler)
     if onchip:
@@ -232,17 +274,19 @@ def places(exact: dict[str, int], sizes: dict[str, int], shape: MeshShape, compi
 
 def estimate(job: Job, shape: MeshShape, compiler: str = "cpu") -> MemoryPie:
     """The memory pie of one device on a mesh without pipeline stages, with the temporaries of `compiler`
-    ("cpu", "tpu" or a TPU with on-chip memory; `compiler_for(hardware)` picks it)."""
+    ("cpu", "gpu", "tpu" or a TPU with on-chip memory; `compiler_for(hardware)` picks it)."""
     exact, sizes = terms(job, shape)
     grads, activations = exact["gradients"], exact["activations"]
-    live = places(exact, sizes, shape, compiler)
+    unrolled = unrolled_on_gpu(job.cfg, compiler)
+    live = unrolled_places(exact, sizes) if unrolled else places(exact, sizes, shape, compiler)
     place = max(live, key=lambda name: sum(live[name].values()))
     # Temporaries: the place's buffers, less the gradients and activations counted in the pie.
     detail = {f"{k} ({place} pass)": v for k, v in live[place].items() if k not in ("gradients", "activations") and v}
     held_grads_acts = live[place].get("gradients", 0) + live[place].get("activations", 0)
     detail["gradients and activations not live at the peak"] = held_grads_acts - grads - activations
     detail["batch"] = exact["batch"]
-    # With on-chip memory the temporaries can be negative: gradients and saved activations counted in the
-    # pie that are on chip at the peak, not in HBM.
-    temporaries = sum(detail.values()) if onchip_bytes(compiler) else max(0, sum(detail.values()))
+    # With on-chip memory, or an unrolled layer loop, the temporaries can be negative: gradients and saved
+    # activations counted in the pie that are on chip at the peak, or not yet made or already freed.
+    exact_net = onchip_bytes(compiler) or unrolled
+    temporaries = sum(detail.values()) if exact_net else max(0, sum(detail.values()))
     return MemoryPie(exact["params"], grads, exact["optimizer"], activations, temporaries, detail)

@@ -12,13 +12,11 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, all_mesh_shapes
-from meshlm.plan import comms, cost, estimate, memory, pipeline, remat
+from meshlm.plan import comms, cost, estimate, fit, memory, pipeline, remat
+from meshlm.plan.fit import HEADROOM  # noqa: F401  (kept free of each device's memory)
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.job import Job
 from meshlm.plan.pipeline import PipelinePlan
-
-# Headroom kept free on the device (allocator fragmentation, runtime buffers), as a fraction of HBM.
-HEADROOM = 0.05
 
 
 @dataclass
@@ -58,7 +56,7 @@ def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     collectives = estimate.collectives(job, shape, hw.backend)
     ops = estimate.operators(job, shape, hw, collectives)
     time = estimate.step_time(job, shape, hw, ops, collectives, pie.params)
-    fits = pie.total <= hw.hbm_bytes * (1 - HEADROOM)
+    fits = fit.within(pie.total, hw.hbm_bytes)  # the test `meshlm train` makes before compiling
     stages = None
     if shape.pp > 1:
         stages = pipeline.plan_pipeline(job, shape, pie)
@@ -72,10 +70,13 @@ def evaluate(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
 
 def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """The plan for this mesh: with `--remat=auto`, the fastest policy that fits at the fewest
-    gradient-accumulation micro-batches that make one fit (`meshlm.plan.remat`); the smallest if none does."""
+    gradient-accumulation micro-batches that make one fit (`meshlm.plan.remat`); the smallest if none does.
+    On simulated CPU devices the policy `meshlm train` takes for `auto` (`fit.auto_policy`)."""
     if job.cfg.remat != "auto":
         return evaluate(job, shape, hw)
-    budget, compiler = hw.hbm_bytes * (1 - HEADROOM), memory.compiler_for(hw.name)
+    budget, compiler = fit.usable_bytes(hw.hbm_bytes), memory.compiler_for(hw.name)
+    if hw.name == "cpu":
+        return _best_on_cpu(job, shape, hw)
     smallest, smallest_bytes = None, math.inf
     for trials in remat.variants(job, shape):
         # Memory first (cheap); the step-time model only for the policies that fit.
@@ -87,6 +88,22 @@ def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
         if peaks[least] < smallest_bytes:
             smallest, smallest_bytes = trials[least], peaks[least]
     return evaluate(smallest, shape, hw)
+
+
+def _best_on_cpu(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
+    """`best_on` for simulated CPU devices: train's choice of policy (`fit.auto_policy`, with the block of
+    scratch the host allocator keeps where this machine keeps it), at the fewest micro-batches that fit."""
+    from meshlm import platform
+
+    kept = platform.KEPT_BLOCK_BYTES if platform.keep_host_memory() else 0  # as train sets it
+    plan = None
+    for trials in remat.variants(job, shape):
+        trial = replace(trials[0], cfg=job.cfg)
+        policy = fit.auto_policy(trial, shape, hw.hbm_bytes, "cpu", kept)
+        plan = evaluate(remat.with_remat(trial, policy), shape, hw)
+        if plan.fits:
+            return plan
+    return plan
 
 
 def label(shape: MeshShape) -> str:
@@ -160,7 +177,7 @@ def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | Non
 
 
 def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None, pps: tuple[int, ...] = (1,)) -> str:
-    budget, compiler = hw.hbm_bytes * (1 - HEADROOM), memory.compiler_for(hw.name)
+    budget, compiler = fit.usable_bytes(hw.hbm_bytes), memory.compiler_for(hw.name)
     searched = job.cfg.remat == "auto"
     head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}"
             f"{' --remat=' + best.job.cfg.remat if searched else ''}) needs {_gb(best.memory.total)} per device")
@@ -174,7 +191,8 @@ def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None
             tries.append((f"--grad_accum={accum}", replace(job, grad_accum=accum), pps))
     if mesh_dim is None and job.grad_accum == 1:  # pipeline stages, when the plan did not consider them
         tries += [(f"--pp={pp}", job, (pp,)) for pp in auto_pps(job)[1:] if pp not in pps]
-    for factor in (2, 4, 8, 16):
+    # Simulated CPU devices share one host's memory: more of them hold no more.
+    for factor in (() if hw.name == "cpu" else (2, 4, 8, 16)):
         tries.append((f"--devices={job.n_devices * factor}", replace(job, n_devices=job.n_devices * factor), pps))
     for flag, trial, trial_pps in tries:
         shapes = [mesh_dim] if mesh_dim is not None and trial.n_devices == job.n_devices else None
@@ -186,4 +204,7 @@ def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None
                 smallest = min(fitting, key=lambda s: estimate.memory_pie(trial, s, compiler).total)
                 flag = f"{flag} (e.g. {smallest.flags})"
             return f"{head}; nearest change that fits: {flag}"
+    if hw.name == "cpu":  # a smaller batch, shorter sequences or a smaller model, as train's check says
+        fix = fit.nearest_fit(job, best.shape, hw.hbm_bytes, compiler)
+        return f"{head}; " + (f"nearest change that fits: {fix}" if fix else "use a smaller model or a larger host")
     return f"{head}; even 16x the devices with --remat=full does not fit: use a smaller model or shorter --seq_len"

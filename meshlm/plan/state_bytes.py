@@ -59,6 +59,7 @@ class StateBytes:
         from meshlm.models.placement import place
 
         self.strategy = strategy
+        self._memo: dict[tuple[int, MeshShape], int] = {}
         placement = place(cfg, abstract_mesh(MeshShape()), strategy)
         params, treedef = jax.tree.flatten(placement.shapes)
         logical = treedef.flatten_up_to(placement.logical)
@@ -73,8 +74,11 @@ class StateBytes:
         ]
 
     def _bytes(self, leaves: list[Leaf], shape: MeshShape) -> int:
-        sizes = shape.as_dict()
-        return sum(local_elements(leaf, sizes, self.strategy) * leaf.itemsize for leaf in leaves)
+        key = (id(leaves), shape)  # a search asks for the same meshes once per remat policy
+        if key not in self._memo:
+            sizes = shape.as_dict()
+            self._memo[key] = sum(local_elements(leaf, sizes, self.strategy) * leaf.itemsize for leaf in leaves)
+        return self._memo[key]
 
     def params_bytes(self, shape: MeshShape) -> int:
         return self._bytes(self.params, shape)
@@ -88,11 +92,16 @@ class StateBytes:
 
 
 @lru_cache(maxsize=8)
-def state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
+def _state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
     """Cached `StateBytes` for a model with meshlm's optimizer (AdamW, clipping as `meshlm train`)."""
     from meshlm.optimizer import OptimizerConfig, make_optimizer
 
     return StateBytes(cfg, make_optimizer(OptimizerConfig()))
+
+
+def state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
+    """`_state_bytes` for the model's weights: its remat policy and attention kernel change no state."""
+    return _state_bytes(cfg.replace(remat="none", attention="auto"), optimizer_key)
 
 
 def real_bytes_per_device(tree) -> int:

@@ -110,7 +110,8 @@ def test_each_hardware_gets_the_temporaries_of_its_compiler():
     tpus = ("tpu-v5p", "TPU v5p", "TPU v5", "tpu-v6e", "TPU v6 lite", "tpu-v4", "TPU v4")
     assert {memory.compiler_for(n) for n in tpus} == {"tpu"}
     assert {memory.compiler_for(n) for n in ("tpu-v5e", "TPU v5 lite")} == {"tpu-v5e"}  # with on-chip memory
-    assert {memory.compiler_for(n) for n in ("cpu", "h100", "NVIDIA H100 80GB HBM3", "b200")} == {"cpu"}
+    assert {memory.compiler_for(n) for n in ("h100", "NVIDIA H100 80GB HBM3", "b200", "h200")} == {"gpu"}
+    assert memory.compiler_for("cpu") == "cpu"
     cfg = resolve_model("tiny", {}).replace(dtype="bfloat16", param_dtype="float32", remat="full")
     job, shape = Job(cfg, BATCH, SEQ, 4), parse_mesh_dim("1,2,1,2", 4)
     on_v5p, on_cpu = memory.estimate(job, shape, "tpu"), memory.estimate(job, shape)
