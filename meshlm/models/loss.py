@@ -56,8 +56,34 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
     The matmul takes its operands in x's dtype (the compute dtype) and gives the float32 it accumulates
     in, so no compute-dtype copy of the logits is made. In the backward pass the logits' cotangent is
     cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
-    and in the weights' own dtype (`meshlm.ops.linear`). In float32 this is plain autodiff of one matmul."""
+    and in the weights' own dtype (`meshlm.ops.linear`). In float32 this is plain autodiff of one matmul.
+
+    On XLA:CPU, with x below float32, the weights' gradient leaves its matmul as it is (`_fence_gradient`)."""
+    if x.dtype != jnp.float32 and sharding.active_platform() == "cpu":
+        weights = _fence_gradient(weights)
     return sharding.constrain(linear("bte,ev->btv", x, weights, out=jnp.float32), axes.LOGITS)
+
+
+# Tied embeddings make the head's weights the table transposed, so the weights' gradient is transposed
+# on its way to the table. XLA folds that transpose into the gradient's matmul, which then contracts
+# both operands on their leading dimension: a form XLA:CPU's fast matmuls (YNNPACK) do not take, and its
+# generic one has no bfloat16 x bfloat16 = float32 kernel ("Unsupported element type for
+# DotThunk::Execute"). An optimization barrier on the gradient keeps the matmul in the form it was
+# written in; the transpose becomes a copy of its result. The forward pass and the value are unchanged.
+@jax.custom_vjp
+def _fence_gradient(w):
+    return w
+
+
+def _fence_fwd(w):
+    return w, None
+
+
+def _fence_bwd(_, g):
+    return (jax.lax.optimization_barrier(g),)
+
+
+_fence_gradient.defvjp(_fence_fwd, _fence_bwd)
 
 
 def num_chunks(length: int, chunk: int) -> int:
