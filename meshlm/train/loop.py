@@ -53,7 +53,15 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
 
     cfg.validate()
     cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
-    return distributed.run_here(cluster, lambda _main: _train(cfg, console), cfg.devices, cfg.connect_timeout)
+    return distributed.run_here(cluster, lambda main: _locked(cfg, console, main), cfg.devices, cfg.connect_timeout)
+
+
+def _locked(cfg: TrainConfig, console, main: bool) -> dict[str, Any]:
+    """`_train` holding the run folder's lock (process 0's), taken before anything reads or writes it."""
+    from meshlm.train.run_lock import run_folder_lock
+
+    with run_folder_lock(cfg.output_dir, enabled=main):
+        return _train(cfg, console)
 
 
 def _latest_step(directory: Path) -> int | None:
@@ -82,7 +90,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     from meshlm.train.evaluate import Evaluator, eval_steps
     from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
     from meshlm.train.state import abstract_state, create_train_state, train_state_from_params
-    from meshlm.train.state import checkpointed, eval_params, frozen_base, lora_for, lora_meta, with_base
+    from meshlm.train.state import checkpointed, earlier_layouts, eval_params, frozen_base, lora_for, lora_meta, with_base
     from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 
     is_main = jax.process_index() == 0  # logs, progress and files come from process 0 only
@@ -178,8 +186,9 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     checkpointer = Checkpointer(out / "checkpoints", keep=cfg.keep, save_every=cfg.save_every)
     latest = checkpointer.latest_step()
     if latest is not None:
-        state, data_state, saved_meta = checkpointer.restore(
-            checkpointed(abstract_state(placement, optimizer, lora), lora), expect_meta=run_meta)
+        target = checkpointed(abstract_state(placement, optimizer, lora), lora)
+        state, data_state, saved_meta = checkpointer.restore(target, expect_meta=run_meta,
+                                                             earlier_layouts=earlier_layouts(target))
         if lora is not None:
             state = with_base(state, frozen_base(placement, lora, init_source, cfg.seed))
         try:
