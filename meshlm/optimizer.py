@@ -58,10 +58,13 @@ def decay_mask(params):
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """`optax.clip_by_global_norm` (the same empty state, the same arithmetic) that takes the norm the
     step has already computed, `update(..., grad_norm=norm)`, rather than reducing every gradient
-    across the devices a second time. Without `grad_norm` it computes the norm itself."""
+    across the devices a second time. Without `grad_norm` it computes the norm itself. `max_norm` 0
+    passes the updates through unchanged (no clipping)."""
 
     def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
         del params, extra_args
+        if max_norm <= 0:
+            return updates, state
         norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
         keep = jnp.squeeze(norm < max_norm)
         return jax.tree.map(lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), updates), state
@@ -70,9 +73,16 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformationExtraArgs:
-    """AdamW, after global-norm clipping when `clip_norm` > 0. `update` takes `grad_norm=` (the norm of
-    the gradients, when the caller has it) as an extra argument."""
+    """AdamW after global-norm clipping (none when `clip_norm` is 0). The state is (clip's empty state,
+    AdamW's) whatever `clip_norm` is, so a run may resume with another --clip_norm. `update` takes
+    `grad_norm=` (the norm of the gradients, when the caller has it) as an extra argument."""
     adamw = optax.adamw(
         lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
-    return optax.chain(clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    return optax.chain(clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+def from_unclipped(opt_state):
+    """The optimizer state of a checkpoint written when `--clip_norm=0` left the clip out of the chain
+    (AdamW's state alone), in today's layout."""
+    return (optax.EmptyState(), opt_state)

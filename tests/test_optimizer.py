@@ -16,7 +16,7 @@ from meshlm.optimizer import OptimizerConfig, clip_by_global_norm, decay_mask, l
 def _optax_reference(cfg: OptimizerConfig) -> optax.GradientTransformation:
     adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(), adamw)
 
 
 @pytest.mark.parametrize("clip_norm", [0.0, 0.5, 1e3])  # off, clipping, not clipping
@@ -42,3 +42,10 @@ def test_the_clip_uses_the_norm_it_is_given():
     np.testing.assert_allclose(clip.update(grads, state, grad_norm=jnp.float32(12.0))[0]["kernel"], 3.0 / 12.0)
     np.testing.assert_allclose(clip.update(grads, state, grad_norm=jnp.float32(0.5))[0]["kernel"], 3.0)
     np.testing.assert_allclose(clip.update(grads, state)[0]["kernel"], 3.0 / 6.0)
+
+
+def test_the_state_does_not_depend_on_clip_norm():
+    """A run stopped with one --clip_norm resumes with another: the state has one structure for all."""
+    params = {"w": {"kernel": jnp.ones((4, 3), jnp.float32)}}
+    structures = {jax.tree.structure(make_optimizer(OptimizerConfig(clip_norm=c)).init(params)) for c in (0.0, 1.0)}
+    assert len(structures) == 1, structures

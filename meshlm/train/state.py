@@ -81,6 +81,15 @@ def checkpointed(state: TrainState, lora=None) -> TrainState:
     return state if lora is None else state._replace(params={"lora": state.params["lora"]})
 
 
+def earlier_layouts(target: TrainState) -> tuple:
+    """(abstract state, convert) for each older layout a checkpoint of `target` may hold: AdamW's state
+    without the clip's empty state in front (what `--clip_norm=0` saved when it left the clip out)."""
+    from meshlm.optimizer import from_unclipped
+
+    unclipped = target._replace(opt_state=target.opt_state[1])
+    return ((unclipped, lambda state: state._replace(opt_state=from_unclipped(state.opt_state))),)
+
+
 def with_base(state: TrainState, base: Any) -> TrainState:
     """A restored LoRA checkpoint's state with its frozen base put back."""
     return state._replace(params={"base": base, "lora": state.params["lora"]})

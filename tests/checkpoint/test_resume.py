@@ -138,3 +138,11 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
                             env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"resumed from {ckpts / str(latest)}" in result.stdout.replace("\n", "")
+
+
+def test_resume_with_another_clip_norm(interrupted, tmp_path):
+    """The stop message's advice, a --clip_norm other than the run's, is one a run can follow."""
+    out = resumable(interrupted, tmp_path)
+    stopped_at = Checkpointer(out / "checkpoints").latest_step()
+    second = train(config(out, clip_norm=0.0))
+    assert second["first_step"] == stopped_at + 1 and second["last_step"] == STEPS
