@@ -1,7 +1,7 @@
 """The HTTP API's gatekeepers, plain ASGI so that both act before a request body is read or parsed.
 
-`RequireApiKey`: `/v1/*` only with `Authorization: Bearer <api_key>` (401 otherwise); the chat page
-and /health stay open. `LimitBody`: 413 for a request body over the limit.
+`RequireApiKey`: every route but the chat page and /health only with `Authorization: Bearer <api_key>`
+(401 otherwise): `/v1/*`, `/docs` and `/openapi.json` too. `LimitBody`: 413 for a request body over the limit.
 """
 
 from __future__ import annotations
@@ -14,16 +14,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshlm.serve.api_errors import APIError
 
 
+OPEN_PATHS = ("/", "/health")  # with what is under /static/: the chat page asks for the key itself
+
+
 class RequireApiKey:
-    """`/v1/*` only with `Authorization: Bearer <api_key>` (the scheme's case does not matter, as
-    HTTP has it); the page and /health stay open."""
+    """Every route only with `Authorization: Bearer <api_key>` (the scheme's case does not matter, as
+    HTTP has it), except the chat page (`/`, `/static/*`) and `/health`."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and not (path in OPEN_PATHS or path.startswith("/static/")):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             right_key = hmac.compare_digest(given.strip(), self.expected)
             if not (right_key and scheme.lower() == b"bearer"):
@@ -71,4 +75,4 @@ class LimitBody:
         await self.app(scope, receive_within_limit, send)
 
 
-__all__ = ["RequireApiKey", "LimitBody", "BodyTooLarge"]
+__all__ = ["OPEN_PATHS", "RequireApiKey", "LimitBody", "BodyTooLarge"]

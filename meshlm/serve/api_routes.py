@@ -19,7 +19,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshlm.serve import api_completions
-from meshlm.serve.api_errors import APIError, validation_error
+from meshlm.serve.api_docs import add_docs
+from meshlm.serve.api_errors import APIError, http_error, server_error, validation_error
 from meshlm.serve.api_middleware import LimitBody, RequireApiKey
 from meshlm.serve.api_schemas import ChatCompletionBody, CompletionBody
 from meshlm.serve.chat import ChatTemplate
@@ -42,12 +43,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response(exc.headers)
+        return http_error(exc, request.method, request.url.path).response(exc.headers)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, "internal server error", type="server_error").response()
+        return server_error().response()
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: int = 1_000_000) -> FastAPI:
@@ -58,7 +58,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
         eos_token=getattr(engine.tokenizer, "eos_token", "") or "",
     )
     started = int(time.time())
-    app = FastAPI(title="meshlm", summary="OpenAI-compatible API for a meshlm model")
+    app = FastAPI(title="meshlm", summary="OpenAI-compatible API for a meshlm model", docs_url=None, redoc_url=None)
+    add_docs(app)  # /docs without the internet's scripts; behind the API key like /openapi.json
     open_requests: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # replies still being sent
 
     def end_open_requests() -> None:

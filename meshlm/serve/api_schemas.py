@@ -17,6 +17,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator)
 from pydantic_core import PydanticCustomError
 
+from meshlm.serve.sampling import SEED_RANGE
+
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_TOP = 20  # alternatives per position (logprobs, top_logprobs); meshlm.serve.scoring.MAX_TOP
@@ -96,7 +98,7 @@ class GenerationBody(BaseModel):
     temperature: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False), _or(1.0)] = 1.0
     top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False), _or(1.0)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=0, lt=2**31), _or(0)] = 0  # the engine holds it as int32
-    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None  # every one its own stream
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop_strings)] = ()
     ignore_eos: Annotated[StrictBool, _or(False)] = False  # an extension: run to max_tokens past end-of-text
     n: Annotated[StrictInt, _or(1)] = 1

@@ -7,14 +7,20 @@ HTTP/1.1 protocol with two deadlines) also closes a connection that
   connecting or of its last reply: an idle connection, or a client sending its headers a byte at a time;
 - has not sent the whole body within `body_timeout_s` of its head: a slow or stalled body.
 
-While the app works on a complete request (a long generation, a stream) no deadline runs. Use it with
+While the app works on a complete request (a long generation, a stream) no deadline runs. A request
+that is not valid HTTP/1.1 (a garbled request line or header, a bad Content-Length or chunk) is answered
+400 with the API's JSON error body, code `invalid_http`, like every other refusal. Use it with
 `uvicorn.Config(app, http=timed_protocol(header_timeout_s, body_timeout_s))`.
 """
 
 from __future__ import annotations
 
+import json
+
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from meshlm.serve.api_errors import APIError
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
@@ -43,6 +49,20 @@ class TimedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, as JSON rather than plain text."""
+        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1 (its request line, a header, its "
+                                        "Content-Length or a chunk); send a well-formed HTTP/1.1 request",
+                                   code="invalid_http").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # a reply had already begun: there is nothing left to say
+            pass
+        self.transport.close()
 
     def _watch(self) -> None:
         """Arm the deadline for what the connection waits for now: a head, a body, or nothing."""

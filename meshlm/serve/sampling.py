@@ -3,7 +3,8 @@
 Every row of a decode batch carries its own settings (a request's `SamplingParams`), so requests
 with different settings share one compiled step. A row's random stream depends only on its seed
 and on how many tokens it has generated, never on which other requests share the batch: the same
-seed gives the same text whether a request runs alone or among thirty others.
+seed gives the same text whether a request runs alone or among thirty others. Seeds are any signed
+64-bit integer, each with its own stream (`seed_key`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+SEED_RANGE = (-2**63, 2**63)  # OpenAI's: a signed 64-bit integer
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """The PRNG key data (threefry: two uint32 words) of a seed in SEED_RANGE: its 64 bits, high word
+    first, as `jax.random.key` lays out a 64-bit seed. Distinct seeds give distinct keys, and a seed in
+    [0, 2^32) the key `jax.random.key(seed)` makes; built on the host, with no device work."""
+    bits = seed % 2**64  # two's complement: -1 is 2^64 - 1, beyond what a non-negative seed can be
+    return np.array([bits >> 32, bits & 0xFFFFFFFF], np.uint32)
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 is off), got {self.top_k!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^63), got {self.seed!r}")
 
 
 class SlotSampling(NamedTuple):
@@ -50,11 +62,10 @@ class SlotSampling(NamedTuple):
         """Numpy arrays for these requests (a request without a seed uses its fallback seed)."""
         seeds = [p.seed if p.seed is not None else s for p, s in zip(params, fallback_seeds)]
         return SlotSampling(
-            np.array([p.temperature for p in params], np.float32),
+            np.array([min(p.temperature, FLOAT32_MAX) for p in params], np.float32),  # 1e308 is as good as infinite
             np.array([p.top_k for p in params], np.int32),
             np.array([p.top_p for p in params], np.float32),
-            np.stack([np.asarray(jax.random.key_data(jax.random.key(s % 2**32)), np.uint32) for s in seeds])
-            if seeds else np.zeros((0, 2), np.uint32),
+            np.stack([seed_key(s) for s in seeds]) if seeds else np.zeros((0, 2), np.uint32),
         )
 
     @staticmethod
@@ -106,4 +117,4 @@ def sample(logits: jax.Array, settings: SlotSampling, counts: jax.Array) -> jax.
     return jax.lax.cond(jnp.any(settings.temperature > 0), draw, lambda _: greedy, None)
 
 
-__all__ = ["SamplingParams", "SlotSampling", "filter_logits", "sample"]
+__all__ = ["SEED_RANGE", "seed_key", "SamplingParams", "SlotSampling", "filter_logits", "sample"]

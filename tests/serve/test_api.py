@@ -158,7 +158,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 BAD_REQUESTS = {
     "malformed JSON": ("/v1/completions", b'{"prompt": "Hi", "max_tokens": ', "json"),
     "empty body": ("/v1/completions", b"", "empty"),
-    "not an object": ("/v1/completions", ["Hi"], "dictionary"),
+    "not an object": ("/v1/completions", ["Hi"], "not a json object"),
     "missing prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
     "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, "model"),
     "unknown chat model": ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model"),
@@ -206,7 +206,7 @@ def test_bad_input_is_a_4xx_and_the_server_goes_on(http, handles, case):
     assert response.status_code in (400, 422), response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "invalid_request_error"
+    assert error["type"] == "invalid_request_error" and error["code"], error
     assert named in (error["param"] or "") or named in error["message"].lower(), error
     assert handles == [], "a bad request reached the engine"
     assert_serving(http)
