@@ -1,7 +1,8 @@
 """Packing and per-process loading: token ids in, one process's share of each global batch out.
 
 Packing: every document is tokenized and followed by the end-of-text id, all of them are
-concatenated into one stream (cached as `<cache>/tokens/<spec>-<hash>.npy`), and row r of the
+concatenated into one stream (cached as `<cache>/tokens/<spec>-<hash>.npy`, checked when read back:
+`meshlm.data.token_cache`), and row r of the
 corpus is the `seq_len + 1` tokens starting at `r * seq_len`, so that every token is a target
 exactly once. A batch holds, each `[rows, seq_len]`:
 
@@ -41,6 +42,7 @@ from rich.console import Console
 
 from meshlm.data.chat import LOSS_ON, ChatOptions, is_chat_dataset, pack_chat_rows, tokenize_chat
 from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
+from meshlm.data.token_cache import DamagedCache, TokenStream, open_token_cache
 from meshlm.errors import UsageError
 
 _FORMAT = "tokens-v1"  # bump to invalidate cached token files when packing changes
@@ -71,6 +73,8 @@ def read_rows(tokens, flags, row_ids, seq_len: int, eos_id: int) -> dict[str, np
     """The batch of rows `row_ids` of a packed stream (row r: `seq_len + 1` tokens from `r * seq_len`),
     plain text (`flags` None) or chat data with its flags stream."""
     T = seq_len
+    if isinstance(tokens, TokenStream):
+        tokens.ensure_intact()  # a file truncated under its memory map would kill the process (SIGBUS)
     rows = np.stack([tokens[r * T : r * T + T + 1] for r in row_ids])
     if flags is None:
         return pack_rows(rows, eos_id)
@@ -109,7 +113,9 @@ def tokenize_corpus(
     console: Console | None = None,
 ) -> np.ndarray:
     """The corpus as one stream of token ids, each document followed by `tokenizer.eos_id`.
-    Cached on disk (memory-mapped when read back) keyed by corpus and tokenizer fingerprints."""
+    Cached on disk (memory-mapped when read back) keyed by corpus and tokenizer fingerprints; a cache file
+    that fails its checks (`meshlm.data.token_cache`: truncated, not a .npy stream, ids beyond the
+    vocabulary) is rebuilt, with one line saying why."""
     corpus = open_corpus(spec, text_field)
     key = f"{_FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}"
     slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "corpus"
@@ -118,13 +124,17 @@ def tokenize_corpus(
         / "tokens"
         / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
     )
-    if path.is_file():
-        return np.load(path, mmap_mode="r")
-
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    console = console or Console(stderr=True)
+    if path.is_file():
+        try:
+            return open_token_cache(path, dtype, tokenizer.vocab_size)
+        except DamagedCache as e:
+            console.print(f"[meshlm] the token cache {path} {e}: tokenizing {corpus.spec} again",
+                          markup=False, highlight=False, soft_wrap=True)
+
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     pieces, n_docs, n_tokens = [], 0, 0
-    console = console or Console(stderr=True)
     with console.status(f"Tokenizing {corpus.spec}...") as status:
         for chunk in _chunks(corpus.documents(), _ENCODE_CHUNK):
             for ids in _encode_documents(tokenizer, chunk):
