@@ -164,17 +164,21 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
 MEMORY_CHECK = "MESHLM_MEMORY_CHECK"  # 0: run a job the memory model predicts not to fit
 
 
+def memory_check_off() -> bool:
+    import os
+
+    return os.environ.get(MEMORY_CHECK, "").strip().lower() in ("0", "false", "no", "off")
+
+
 def check_memory(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> None:
     """One line, before anything compiles, when the job's predicted peak (`meshlm plan`'s memory model)
     exceeds what a device may use (`device_memory`), naming the nearest change that fits. Skipped with
     MESHLM_MEMORY_CHECK=0, and for LoRA runs (the model counts every weight's gradient and moments)."""
-    import os
-
     import jax
 
     from meshlm.plan.fit import misfit
 
-    if os.environ.get(MEMORY_CHECK, "").strip().lower() in ("0", "false", "no", "off") or cfg.lora_rank:
+    if memory_check_off() or cfg.lora_rank:
         return
     device = device or jax.local_devices()[0]
     budget, where = device_memory(device)
@@ -294,8 +298,21 @@ def resolve_serving(model: ModelConfig, *, mesh_dim: str, dtype: str = "auto", m
     check_serving_mesh(shape, model, max_batch, context, mesh_dim)
     compute = resolve_dtype(dtype, serving=True)
     model = model.replace(dtype=compute, param_dtype=compute, remat="none")
+    check_serving_memory(model, shape, max_batch or shape.data, context)
     job = Job(model, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
     return _build(job) if build else job
+
+
+def check_serving_memory(model: ModelConfig, shape: MeshShape, max_batch: int, context: int, device=None) -> None:
+    """`check_memory` for serving: the weights and the KV cache against what a device may use."""
+    from meshlm.plan.fit import serving_misfit as memory_misfit
+
+    if memory_check_off():
+        return
+    budget, where = device_memory(device)
+    problem = memory_misfit(model, shape, max_batch, context, budget, where) if budget else None
+    if problem:
+        raise UsageError(f"{problem} ({MEMORY_CHECK}=0 runs it anyway)")
 
 
 def serving_misfit(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int) -> str | None:

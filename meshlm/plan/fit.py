@@ -109,3 +109,34 @@ def misfit(job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu
     return (f"this job needs about {need / 1e9:.1f} GB per device{remat} (predicted peak), more than the "
             f"{usable_bytes(device_bytes) / 1e9:.1f} GB that {where}; "
             + (f"nearest change that fits: {fix}" if fix else "nothing nearby fits: use a smaller model or more memory"))
+
+
+def serving_bytes(model, shape: MeshShape, max_batch: int, context: int) -> tuple[float, float]:
+    """(weights, KV cache) bytes per device of a serving engine: the weights in the compute dtype split
+    over tp and fsdp×sp, the cache's keys and values over the data axes, the kv heads on tp and sp."""
+    import jax.numpy as jnp
+
+    size = jnp.dtype(model.dtype).itemsize
+    weights = model.num_params() * size / (shape.tp * shape.fsdp * shape.sp)
+    kv_ways = shape.data * min(shape.tp, model.n_kv_heads) * shape.sp
+    cache = 2 * model.n_layers * max_batch * context * model.n_kv_heads * model.head_dim * size / kv_ways
+    return weights, cache
+
+
+def serving_misfit(model, shape: MeshShape, max_batch: int, context: int, device_bytes: float,
+                   where: str = "a device") -> str | None:
+    """One line when a serving engine's weights and KV cache (`serving_bytes`) do not fit `device_bytes`,
+    naming the smaller --max_seq_len or --max_batch that fits; None when they fit."""
+    weights, cache = serving_bytes(model, shape, max_batch, context)
+    if within(weights + cache, device_bytes):
+        return None
+    head = (f"serving needs about {(weights + cache) / 1e9:.1f} GB per device (weights {weights / 1e9:.1f} GB, KV cache "
+            f"{cache / 1e9:.1f} GB), more than the {usable_bytes(device_bytes) / 1e9:.1f} GB that {where}")
+    lengths = [context >> k for k in range(1, 8) if context >> k >= 64]
+    batches = [max_batch >> k for k in range(1, 8) if (max_batch >> k) % shape.data == 0 and max_batch >> k]
+    tries = [(f"--max_seq_len={n}", max_batch, n) for n in lengths] + \
+        [(f"--max_batch={b}", b, context) for b in batches]
+    for flag, batch, length in tries:
+        if within(sum(serving_bytes(model, shape, batch, length)), device_bytes):
+            return f"{head}; nearest change that fits: {flag}"
+    return f"{head}; use a smaller model, a smaller --dtype or more devices"

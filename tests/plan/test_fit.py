@@ -150,3 +150,13 @@ def test_a_gpu_job_that_does_not_fit_still_recomputes():
     job = joblib.plan_job(cfg, model.replace(remat=chosen), shape)
     assert fit.within(memory.estimate(job, shape, "gpu").total, H100_BUDGET_ON_H200)
     assert not fit.within(memory.estimate(remat.with_remat(job, "none"), shape, "gpu").total, H100_BUDGET_ON_H200)
+
+
+def test_serving_that_cannot_fit_is_refused_naming_a_shorter_context(small_host):
+    from meshlm.models.configs import resolve_model
+
+    with pytest.raises(UsageError, match="serving needs about .* nearest change that fits: --max_seq_len="):
+        joblib.resolve_serving(resolve_model("tiny", {}), mesh_dim="1,2,4,1", max_batch=256, build=False)
+    joblib.resolve_serving(resolve_model("tiny", {}), mesh_dim="1,2,4,1", build=False)
+    with pytest.raises(UsageError, match="use a smaller model"):
+        joblib.resolve_serving(resolve_model("1b", {}), mesh_dim="1,1,8,1", build=False)
