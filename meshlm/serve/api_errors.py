@@ -89,8 +89,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def _unreadable_body(cause: BaseException | None) -> str:
     """Why the framework could not read a body as JSON (it says only "There was an error parsing the body")."""
     if isinstance(cause, UnicodeDecodeError):
-        return (f"the request body is not UTF-8 text: byte 0x{cause.object[cause.start:cause.start + 1].hex()} at "
-                f"offset {cause.start} "
+        byte = cause.object[cause.start:cause.start + 1].hex()
+        return (f"the request body cannot be decoded as {cause.encoding}: byte 0x{byte} at offset {cause.start} "
                 f"({cause.reason}); send the JSON encoded as UTF-8")
     if isinstance(cause, RecursionError):
         return "the request body nests arrays or objects too deeply to read; send a flatter JSON object"
