@@ -10,6 +10,11 @@ of a step that went NaN.
     state, metrics = step_fn(state, batch); watch.observe(step, metrics)
     if (bad := watch.check(step)) is not None: print(bad.what())   # "the loss became nan"
 
+What caused it decides the advice (`NonFinite.cause`, `meshlm.train.report.diverged`): weights that were
+not finite when the run started, a batch with token ids outside the vocabulary, a loss that was not finite at
+the run's first step (computed before any update), or finite steps and then not: only the last is the
+learning rate's doing.
+
 `StepProfiler` starts the trace before step A and stops it after step B (or when the loop ends first),
 in `<run>/profile/`.
 """
@@ -23,12 +28,18 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class NonFinite:
-    """The first step whose loss or gradient norm was not finite, and their values there."""
+    """The first step whose loss or gradient norm was not finite, their values there, and what else the run
+    knows at that point: its first step, whether the weights it started from were finite, and the first
+    batch (step, id) that held a token id outside the model's vocabulary."""
 
     step: int
     loss: float
     grad_norm: float
     weights: bool = False  # the weights went NaN/Inf while the loss and gradient norm stayed finite
+    first_step: int | None = None  # this run's first step (None: not known)
+    start_weights_finite: bool = True  # the weights this run started from (fresh, restored or --init_from)
+    bad_ids: tuple[int, int] | None = None  # (step, id): the first batch with an id outside [0, vocab_size)
+    vocab_size: int | None = None
 
     def what(self) -> str:
         if self.weights:
@@ -37,11 +48,24 @@ class NonFinite:
                if not math.isfinite(value)]
         return " and ".join(bad)
 
+    def cause(self) -> str:
+        """What the run knows caused it: "weights" (the weights it started from were not finite), "data" (a
+        batch held ids outside the vocabulary), "first step" (the run's first step, before any update: not
+        the learning rate), or "training" (finite steps, then not: the learning rate or the gradients)."""
+        if not self.start_weights_finite:
+            return "weights"
+        if self.bad_ids is not None:
+            return "data"
+        if not self.weights and self.step == self.first_step:
+            return "first step"
+        return "training"
+
 
 class NonFiniteWatch:
-    """Remembers, on the device, the first step with a NaN/Inf loss or gradient norm (see the module docstring)."""
+    """Remembers, on the device, the first step with a NaN/Inf loss or gradient norm (see the module
+    docstring); with `vocab_size`, also the first host batch with a token id outside the vocabulary."""
 
-    def __init__(self):
+    def __init__(self, vocab_size: int | None = None):
         import jax
         import jax.numpy as jnp
 
@@ -56,11 +80,25 @@ class NonFiniteWatch:
             [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)])))
         self._seen = None
         self._zeros = lambda: jnp.zeros(3, jnp.float32)
+        self.vocab_size, self.bad_ids = vocab_size, None
+        self._first_step, self._start_finite = None, None
 
-    def observe(self, step: int, metrics: dict) -> None:
-        """Fold one step's metrics in (asynchronous: nothing waits for the step to finish)."""
+    def start(self, first_step: int, params) -> None:
+        """The run's first step and the weights it starts from, whose finiteness is computed on the device
+        now (before the first step donates them) and read only if a step goes bad."""
+        self._first_step, self._start_finite = first_step, self._all_finite(params)
+
+    def observe(self, step: int, metrics: dict, batch: dict | None = None) -> None:
+        """Fold one step's metrics in (asynchronous: nothing waits for the step to finish). `batch`: the
+        step's host batch, whose ids are checked against `vocab_size` (a min and a max on the host)."""
         import numpy as np
 
+        if batch is not None and self.vocab_size is not None and self.bad_ids is None:
+            for ids in (batch["inputs"], batch["targets"][:, -1]):  # every id of the rows, read once
+                low, high = int(ids.min()), int(ids.max())
+                if low < 0 or high >= self.vocab_size:
+                    self.bad_ids = (step, low if low < 0 else high)
+                    break
         if "grad_norm" not in metrics:
             return
         seen = self._seen if self._seen is not None else self._zeros()
@@ -71,13 +109,19 @@ class NonFiniteWatch:
         (before a save), weights that are not all finite after `step` are bad too."""
         import jax
 
+        bad = None
         if self._seen is not None:
             first, loss, grad_norm = (float(v) for v in jax.device_get(self._seen))
             if first:
-                return NonFinite(int(first), loss, grad_norm)
-        if params is not None and not bool(jax.device_get(self._all_finite(params))):
-            return NonFinite(step, math.nan, math.nan, weights=True)
-        return None
+                bad = NonFinite(int(first), loss, grad_norm)
+        if bad is None and params is not None and not bool(jax.device_get(self._all_finite(params))):
+            bad = NonFinite(step, math.nan, math.nan, weights=True)
+        if bad is None:
+            return None
+        start_finite = True if self._start_finite is None else bool(jax.device_get(self._start_finite))
+        ids = self.bad_ids if self.bad_ids is not None and self.bad_ids[0] <= bad.step else None
+        return dataclasses.replace(bad, first_step=self._first_step, start_weights_finite=start_finite, bad_ids=ids,
+                                   vocab_size=self.vocab_size)
 
 
 class StepProfiler:

@@ -234,7 +234,8 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
     compile_s = None
     stop = StopRequest()
     saved_at = first_step - 1
-    watch, diverged = NonFiniteWatch(), None  # the first NaN/Inf loss or gradient norm ends the run
+    watch, diverged = NonFiniteWatch(model_cfg.vocab_size), None  # the first NaN/Inf loss or gradient norm ends the run
+    watch.start(first_step, state.params)  # what it says of the cause needs the weights the run starts from
     profiler = StepProfiler(profile_range(cfg.profile_steps) if cfg.profile_steps else None, out / "profile", is_main)
     documents = DocumentsWatch(model_cfg, cfg.seq_len, ring=shape.sp > 1, platform=jax.devices()[0].platform,
                                gpu_capability=gpu_capability())  # fmt: skip
@@ -249,7 +250,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                 console.print(line)
             t0 = time.perf_counter()
             state, step_metrics = step_fn(state, batch)
-            watch.observe(step, step_metrics)  # on the device: no host sync
+            watch.observe(step, step_metrics, host_batch)  # on the device: no host sync; the batch's ids on the host
             tokens_since += tokens_per_step
             if step == first_step:
                 jax.block_until_ready(step_metrics)

@@ -30,11 +30,31 @@ def already_done(output_dir: str | Path, at_step: int, steps: int) -> str:
 
 
 def diverged(bad, last_good: int | None, output_dir: str | Path) -> str:
-    """The run stopped at a NaN/Inf (`bad`: meshlm.train.diagnostics.NonFinite) without saving: where the last
-    good checkpoint is, and what to change."""
-    keep = (f"the last good checkpoint, {Path(output_dir) / 'checkpoints' / str(last_good)}, is kept: re-run to "
-            f"resume from it" if last_good is not None else "no checkpoint was saved before it: re-run")
-    return f"stopped at step {bad.step}: {bad.what()}; {keep} with a lower --lr or a --clip_norm (exit code 1)"
+    """The run stopped at a NaN/Inf (`bad`: meshlm.train.diagnostics.NonFinite) without saving: what caused it
+    as far as the run knows, where the last good checkpoint is, and what to change. Only a loss that was
+    finite and then diverged is blamed on --lr (`NonFinite.cause`)."""
+    saved = Path(output_dir) / "checkpoints" / str(last_good) if last_good is not None else None
+    keep = (f"the last good checkpoint, {saved}, is kept: re-run to resume from it" if saved is not None
+            else "no checkpoint was saved before it: re-run")
+    head = f"stopped at step {bad.step}: {bad.what()}"
+    cause = bad.cause()
+    if cause == "weights":
+        where = (f"they are those of {saved}: delete that folder to resume from the checkpoint before it, or give a "
+                 f"new --output_dir" if saved is not None else "check the weights of --init_from")
+        return (f"{head}; the weights this run started from already held NaN/Inf, so neither the data nor --lr is "
+                f"the cause: {where} (exit code 1)")
+    if cause == "data":
+        at, token = bad.bad_ids
+        return (f"{head}; the batch of step {at} held token id {token}, outside the model's vocabulary of "
+                f"{bad.vocab_size}: the data is the cause, not --lr; check --dataset and --tokenizer; {keep} (exit code 1)")
+    if cause == "first step":
+        return (f"{head} at this run's first step, computed before any update from finite weights and in-range "
+                f"token ids: --lr is not the cause; check the data, and --dtype=float32 rules out bfloat16 "
+                f"overflow; {keep} (exit code 1)")
+    first, last = bad.first_step, bad.step - 1
+    finite = ("" if first is None or first > last else f" after finite step {last}" if first == last
+              else f" after finite steps {first}–{last}")
+    return f"{head}{finite}; {keep} with a lower --lr or a --clip_norm (exit code 1)"
 
 
 def saved_mesh(meta: dict) -> str | None:
