@@ -9,17 +9,35 @@ each is tested without training.
 from __future__ import annotations
 
 import shlex
+import shutil
+import sys
 from pathlib import Path
 
 from meshlm.train.console import plural
 
 
+def meshlm_command() -> str:
+    """How to run meshlm from this shell: `meshlm` where that name on PATH is this installation's command,
+    else the command's own path (`.venv/bin/meshlm` from the folder `make` ran in: `make` installs it into
+    `.venv`, not onto PATH), relative to the working folder when inside it."""
+    script = Path(sys.executable).parent / "meshlm"
+    if not script.is_file():
+        return "meshlm"
+    on_path = shutil.which("meshlm")
+    if on_path is not None and Path(on_path).resolve() == script.resolve():
+        return "meshlm"
+    here = Path.cwd()
+    where = script.absolute()
+    return shlex.quote(str(where.relative_to(here)) if where.is_relative_to(here) else str(where))
+
+
 def generate_command(output_dir: str | Path, chat: bool = False) -> str:
     """The command that samples from a run's newest checkpoint; for a run on chat data, the server whose
-    chat page applies the run's chat template."""
+    chat page applies the run's chat template. Spelt as `meshlm_command` says meshlm runs here."""
+    meshlm = meshlm_command()
     if chat:
-        return f"meshlm serve --checkpoint={shlex.quote(str(output_dir))}   # then open http://127.0.0.1:8000/"
-    return f"meshlm generate --checkpoint={shlex.quote(str(output_dir))} --prompt='def '"
+        return f"{meshlm} serve --checkpoint={shlex.quote(str(output_dir))}   # then open http://127.0.0.1:8000/"
+    return f"{meshlm} generate --checkpoint={shlex.quote(str(output_dir))} --prompt='def '"
 
 
 def already_done(output_dir: str | Path, at_step: int, steps: int) -> str:
@@ -146,5 +164,5 @@ def _loss(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-__all__ = ["generate_command", "already_done", "saved_mesh", "resumed", "schedule_of", "schedule_change",
+__all__ = ["meshlm_command", "generate_command", "already_done", "saved_mesh", "resumed", "schedule_of", "schedule_change",
            "summary_lines"]

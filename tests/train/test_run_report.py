@@ -14,7 +14,7 @@ from meshlm.config import TrainConfig
 from meshlm.models.configs import count_params
 from meshlm.train.console import plural, run_console
 from meshlm.train.loop import train
-from meshlm.train.report import schedule_change, summary_lines
+from meshlm.train.report import meshlm_command, schedule_change, summary_lines
 
 BASE = dict(model="test", dataset="synthetic", batch_size=8, seq_len=32, log_every=1, lr=1e-2, dtype="float32",
             peak_tflops=1.0, mesh_dim="1,8,1,1", min_lr_ratio=0.1, warmup_steps=0)
@@ -81,7 +81,7 @@ def test_resume_reports_mesh_schedule_and_only_the_steps_it_ran(two_steps, tmp_p
     assert re.search(r"loss \d\.\d{3} \(step 3\) → \d\.\d{3} \(step 4\)", done), done
     assert "over 4 steps" not in text
     line_with(f"checkpoint {out / 'checkpoints' / '4'}")
-    line_with(f"next: meshlm generate --checkpoint={out}")
+    line_with(f"next: {meshlm_command()} generate --checkpoint={out}")
     # The policy --remat=auto chose (on CPU: every activation kept, the test model's scratch being small).
     assert "; compute float32, params float32, remat none (auto)" in line_with("model: test")
     assert summary["first_step"] == 3 and summary["steps_run"] == 2
@@ -115,10 +115,11 @@ def test_summary_of_a_stopped_run():
     assert lines[-1] == "next: the same command resumes from step 37"
     one = summary_lines(first_step=1, last_step=1, total_steps=1, history=[], evals=[], stopped=None,
                         output_dir="out dir", checkpoint=None)
-    assert one[0] == "done: ran step 1 (1 step)" and one[-1] == "next: meshlm generate --checkpoint='out dir' --prompt='def '"
+    meshlm = meshlm_command()  # as meshlm runs from this shell (tests/train/test_report_next.py)
+    assert one[0] == "done: ran step 1 (1 step)" and one[-1] == f"next: {meshlm} generate --checkpoint='out dir' --prompt='def '"
     chat = summary_lines(first_step=1, last_step=1, total_steps=1, history=[], evals=[], stopped=None,
                          output_dir="run", checkpoint=None, chat=True)
-    assert chat[-1] == "next: meshlm serve --checkpoint=run   # then open http://127.0.0.1:8000/"
+    assert chat[-1] == f"next: {meshlm} serve --checkpoint=run   # then open http://127.0.0.1:8000/"
 
 
 def test_the_plot_reads_the_whole_run(tmp_path, monkeypatch):
