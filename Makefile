@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast bench clean clean-outputs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,5 +45,12 @@ test-fast: $(TEST_STAMP)
 bench: install
 	$(BIN)/python bench/train_throughput.py
 
+# The virtualenv and caches only: runs in outputs/ (checkpoints) are kept, and named.
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) .pytest_cache meshlm.egg-info
+	find meshlm tests bench -name __pycache__ -type d -prune -exec rm -rf {} +
+	@if [ -d outputs ]; then echo "kept outputs/ ($$(ls outputs | tr '\n' ' ')): make clean-outputs deletes it"; fi
+
+# Every run in outputs/: checkpoints, metrics and converted models. Says what it deletes.
+clean-outputs:
+	@if [ -d outputs ]; then echo "deleting outputs/: $$(ls outputs | tr '\n' ' ')"; rm -rf outputs; fi
