@@ -62,3 +62,15 @@ def test_meshes_for_the_tiny_model_fit_it(page, cmd):
     processes = re.search(r"--num_processes=(\d+)", cmd)
     if devices and -1 not in (dp, fsdp, tp, sp):
         assert dp * fsdp * tp * sp == int(devices.group(1)) * int(processes.group(1) if processes else 1), f"{page}: {cmd}"
+
+
+def test_plan_page_says_what_auto_computes_in_on_cpu(monkeypatch):
+    """`meshlm plan --dtype=auto` on `cpu` is train's dtype, bfloat16 on a CPU with bf16 matmul instructions,
+    and its MFU probe runs in that dtype: the page must not say float32 alone."""
+    from meshlm import platform
+
+    monkeypatch.setattr(platform, "cpu_multiplies_bf16", lambda cpuinfo=None: True)
+    assert platform.default_dtype("cpu") == "bfloat16"
+    text = (ROOT / "docs" / "plan.md").read_text()
+    assert "float32 on `cpu`, else bfloat16" not in text and "a float32 1024² matmul" not in text
+    assert "bf16 matmul instructions" in text and "1024² matmul in the compute dtype" in text
