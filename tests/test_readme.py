@@ -29,3 +29,14 @@ def test_set_up_says_how_to_run_the_command_and_what_to_pass():
     assert ".venv/bin/meshlm" in setup and "source .venv/bin/activate" in setup
     assert "--checkpoint=outputs/run" in setup and "meshlm --help" in setup
     assert "repeats a short fragment" in setup  # the greedy reply, said honestly
+
+
+def test_opening_says_what_it_is_for_its_measured_comparisons_and_indexes_the_docs():
+    text = (ROOT / "README.md").read_text()
+    opening = text[:text.index("## Set-up")]
+    assert "It is for" in opening
+    rows = [line for line in opening.splitlines() if line.startswith("| ") and "bench/" in line]
+    assert len(rows) >= 3 and all(line.count("|") >= 5 for line in rows), rows  # each figure: machine, command
+    assert "MaxText" in opening and "levanter and torchtitan have not been measured" in opening
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in opening, f"docs/{page.name} missing from the index"
