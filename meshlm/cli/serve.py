@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from meshlm.cli.flags import Parser, add_cluster_flags
 from meshlm.errors import UsageError
+from meshlm.serve.limits import MAX_LOGPROBS, MAX_QUEUE, MAX_REQUEST_TOKENS
 
 CLUSTER_HELP = ("as for `meshlm train` (docs/distributed.md): process 0 takes the work and schedules every step, "
                 "the others run the same steps")
@@ -107,7 +108,7 @@ def load(args, console):
     return model, job.shape
 
 
-def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, first=None, warm_scorer=True):
+def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, first=None, warm_scorer=True, **limits):
     """The engine, compiled (in every process) but not started: process 0 starts it, the others follow
     it. `first`: compile only that many shapes, the most needed first (meshlm/serve/warmup.py), and
     return the progress bar for the rest (None elsewhere than on the main process)."""
@@ -121,7 +122,7 @@ def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, fi
         except ValueError:
             raise UsageError(f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256") from None
     engine = Engine(model, max_batch=args.max_batch or shape.data, max_seq_len=args.max_seq_len or max_seq_len,
-                    prefill_buckets=buckets, link=multihost.link(), warm_scorer=warm_scorer)
+                    prefill_buckets=buckets, link=multihost.link(), warm_scorer=warm_scorer, **limits)
     progress = None if console.quiet else WarmupProgress(console)
     try:
         seconds = engine.warmup(progress, count=first)
@@ -239,6 +240,14 @@ def serve(argv: list[str]) -> int:
     g.add_argument("--body_timeout", type=float, default=30.0, metavar="S",
                    help="close a connection that has not sent a request's body within S seconds of its head "
                         "[default: 30]")
+    g.add_argument("--max_queue", type=int, default=MAX_QUEUE, metavar="N",
+                   help=f"prompts that may wait for a slot at once; a request past that gets 429 [default: {MAX_QUEUE}]")
+    g.add_argument("--max_request_tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
+                   help="tokens one request of several prompts may ask for in all (prompts × max_tokens) "
+                        f"[default: {MAX_REQUEST_TOKENS}]")
+    g.add_argument("--max_logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+                   help="log-probabilities one request may return (tokens × (alternatives + 1)) "
+                        f"[default: {MAX_LOGPROBS}]")
     add_cluster_flags(parser, CLUSTER_HELP)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -246,6 +255,10 @@ def serve(argv: list[str]) -> int:
     for flag in ("header_timeout", "body_timeout"):
         if not 0 < getattr(args, flag) < float("inf"):
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive number of seconds")
+    limits = {flag: getattr(args, flag) for flag in ("max_queue", "max_request_tokens", "max_logprobs")}
+    for flag, value in limits.items():
+        if value < 1:
+            raise UsageError(f"--{flag}={value} must be a positive integer")
     check_host(args.host)
 
     def work(main: bool) -> int:
@@ -258,7 +271,7 @@ def serve(argv: list[str]) -> int:
         try:
             # The most needed shapes now, in every process; process 0 compiles the rest in the
             # background while serving (and publishes them to the others, which follow).
-            engine, progress = build_engine(*load(args, console), args, console, first=FIRST)
+            engine, progress = build_engine(*load(args, console), args, console, first=FIRST, **limits)
         except BaseException:
             if sock is not None:
                 sock.close()

@@ -19,7 +19,10 @@ Completions take a prompt as a string, a list of strings, a list of token ids or
 (run together in the engine's batch, choices in prompt order), `echo`, and `logprobs` (the k likeliest
 alternatives per token, OpenAI's `tokens`/`token_logprobs`/`top_logprobs`/`text_offset`);
 `max_tokens: 0` with `echo` scores the prompt only. Chat takes `logprobs: true` and `top_logprobs`.
-Log-probabilities come from `meshlm.serve.scoring.Scorer`. `null` means the default wherever OpenAI
+Log-probabilities come from `meshlm.serve.scoring.Scorer`, run by the engine a chunk at a time between
+its decode steps, so other streams go on; a reply is built off the event loop. The engine shares its
+slots fairly between requests; limits on one request (new tokens of a batch, log-probabilities
+returned) are 400s, and a full queue is 429 (meshlm/serve/limits.py). `null` means the default wherever OpenAI
 accepts it. Extensions to the OpenAI parameters: `top_k` (0 = off). Parameters this server does not
 implement (penalties, ...) are ignored, except `n`, which must be 1.
 
@@ -33,7 +36,7 @@ This module is the API's entry point; its parts, each in its own module:
     api_errors       refusals as OpenAI-style error bodies
     api_middleware   the API key and the body size limit (plain ASGI)
     api_prompts      prompts to engine requests: tokenizing, fitting in the context
-    api_completions  the two generation endpoints: batches of prompts, echo, log-probabilities
+    api_completions  the two generation endpoints: batches of prompts, echo, log-probabilities, limits
     api_logprobs     log-probabilities in OpenAI's shapes
     api_replies      whole and streamed (server-sent events) replies, cancelling on hang-up
     api_routes       the app: routes, error handlers, `create_app`

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -66,15 +66,42 @@ class Reply:
     finish_reason: str | None = None
 
 
-async def replies_or_hang_up(request: Request, handles: list) -> list[Reply] | None:
-    """The whole replies of requests running together (in order); None if the client hung up first,
-    in which case every request still running is cancelled."""
-    replies = [Reply() for _ in handles]
+async def unless_hung_up(request: Request, work: Callable[[], Awaitable[object]]) -> bool:
+    """Run `work()` while watching the connection: True once it is done, False (and `work` cancelled)
+    if the client hung up first."""
+    done = False
 
     async def cancel_on_disconnect(scope: anyio.CancelScope) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         scope.cancel()
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(cancel_on_disconnect, outer.cancel_scope)
+        await work()
+        done = True
+        outer.cancel_scope.cancel()
+    return done
+
+
+async def scores_or_hang_up(request: Request, handle) -> list | None:
+    """The `Scores` of an engine's `ScoreHandle`; None if the client hung up first, in which case the
+    engine drops the chunks still to score. An engine that ended it unscored raises its APIError."""
+    try:
+        if not await unless_hung_up(request, handle.wait):
+            return None
+    finally:
+        if not handle.done:
+            handle.cancel()
+    if failure := engine_failure(handle.finish_reason):
+        raise failure
+    return handle.scores
+
+
+async def replies_or_hang_up(request: Request, handles: list) -> list[Reply] | None:
+    """The whole replies of requests running together (in order); None if the client hung up first,
+    in which case every request still running is cancelled."""
+    replies = [Reply() for _ in handles]
 
     async def collect(handle, reply: Reply) -> None:
         parts = []
@@ -88,18 +115,25 @@ async def replies_or_hang_up(request: Request, handles: list) -> list[Reply] | N
             if reply.finish_reason is None:
                 handle.cancel()
 
-    async with anyio.create_task_group() as outer:
-        outer.start_soon(cancel_on_disconnect, outer.cancel_scope)
+    async def collect_all() -> None:
         async with anyio.create_task_group() as tasks:
             for handle, reply in zip(handles, replies):
                 tasks.start_soon(collect, handle, reply)
-        outer.cancel_scope.cancel()
+
+    await unless_hung_up(request, collect_all)
     return None if any(r.finish_reason is None for r in replies) else replies
 
 
 def sse(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n"
+
+
+async def fixed_stream(bodies: list[dict]) -> AsyncIterator[str]:
+    """Server-sent events of bodies known in advance, then `[DONE]`."""
+    for body in bodies:
+        yield sse(body)
+    yield sse("[DONE]")
 
 
 async def event_stream(handle, chunk: Callable[[list[dict], dict | None], dict],
@@ -133,5 +167,6 @@ async def event_stream(handle, chunk: Callable[[list[dict], dict | None], dict],
             handle.cancel()
 
 
-__all__ = ["SSE_HEADERS", "usage", "usage_of", "Reply", "replies_or_hang_up", "completion_choice", "chat_choice", "chat_delta", "chat_opening",
-           "reply_or_hang_up", "sse", "event_stream"]
+__all__ = ["SSE_HEADERS", "usage", "usage_of", "Reply", "replies_or_hang_up", "scores_or_hang_up", "unless_hung_up",
+           "completion_choice", "chat_choice", "chat_delta", "chat_opening",
+           "reply_or_hang_up", "sse", "event_stream", "fixed_stream"]

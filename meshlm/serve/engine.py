@@ -12,7 +12,9 @@ layer, [B, S, K, D] laid out (batch, cache_length, kv_heads, head_dim) by the mo
 its row of small per-slot arrays (next token, position, sampling settings): meshlm/serve/steps.py.
 A loop on its own thread (this module) repeats:
 
-  1. admit: waiting requests take free slots. Their prompts, right-padded to the smallest length
+  1. admit: waiting requests take free slots, fairly between submissions (meshlm/serve/queue.py:
+     a batch of many prompts cannot keep a prompt submitted after it waiting for the whole batch).
+     Their prompts, right-padded to the smallest length
      bucket that holds them, run through the model in one prefill (RingAttention when the strategy
      splits the sequence), which writes their keys and values into their cache rows and samples
      each first token.
@@ -22,6 +24,13 @@ A loop on its own thread (this module) repeats:
   3. deliver: the previous step's tokens come to the host (the next step is already queued on the
      device, so the host's work overlaps the device's), become text, and finished requests free
      their slots for step 1.
+  4. score: one chunk of the log-probability requests (`submit_scores`; meshlm/serve/scoring.py),
+     a forward over at most `score_chunk_tokens` padded tokens, the requests taking turns. A long
+     scoring request thus delays each decode step by one chunk, never by all of it, and a cancelled
+     one (its client hung up) stops before its next chunk.
+
+At most `max_queue` prompts and sequences to score wait (None: no limit): `submit` past that raises
+`QueueFull`. `max_request_tokens` and `max_logprobs` are limits the HTTP API checks (meshlm/serve/limits.py).
 
 Compiled shapes: a prefill per prompt-length bucket and a decode step per (rows, cache prefix)
 bucket, all compiled by `start()`, so traffic never compiles (`compiled_shapes()` lets tests check);
@@ -52,12 +61,14 @@ import jax
 import numpy as np
 
 from meshlm import sharding
-from meshlm.serve.request import Event, GenerationRequest, RequestHandle
+from meshlm.serve.limits import MAX_LOGPROBS, MAX_REQUEST_TOKENS, SCORE_CHUNK_TOKENS, QueueFull
+from meshlm.serve.queue import WorkQueue
+from meshlm.serve.request import Event, GenerationRequest, RequestHandle, ScoreHandle
 from meshlm.serve.sampling import SamplingParams, SlotSampling
 from meshlm.serve.shapes import plan_shapes
 from meshlm.serve.steps import Steps
 from meshlm.serve.text import IncrementalText, StopMatcher
-from meshlm.serve.warmup import plan
+from meshlm.serve.warmup import plan, run_padding
 
 log = logging.getLogger("meshlm.serve")
 
@@ -71,7 +82,8 @@ class Engine:
 
     def __init__(self, model: Any, *, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_buckets: tuple[int, ...] | None = None, prefill_batch: int | None = None, link=None,
-                 warm_scorer: bool = True):
+                 warm_scorer: bool = True, max_queue: int | None = None, max_request_tokens: int = MAX_REQUEST_TOKENS,
+                 max_logprobs: int = MAX_LOGPROBS, score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
         placement = model.placement
         self.model = model
         self.tokenizer = model.tokenizer
@@ -91,7 +103,9 @@ class Engine:
 
         self._slots: list[RequestHandle | None] = [None] * self.max_batch
         self._next_position = [0] * self.max_batch  # of each slot's next decode step, as dispatched
-        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self.queue = WorkQueue(max_queue)  # prompts and sequences to score; its `max_queue` may be changed
+        self.max_request_tokens, self.max_logprobs = max_request_tokens, max_logprobs
+        self.score_chunk_tokens = score_chunk_tokens
         self._wake = threading.Condition()
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -143,12 +157,37 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; its events stream from the returned handle. Thread-safe, never blocks."""
-        self.check(request)
-        handle = RequestHandle(request, next(self._ids))
-        handle._text, handle._stops = IncrementalText(self.tokenizer), StopMatcher(request.stop)
+        """Queue a request; its events stream from the returned handle. Thread-safe, never blocks.
+        QueueFull when `max_queue` prompts are waiting already."""
+        return self.submit_batch([request])[0]
+
+    def submit_batch(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
+        """Queue requests together (all or, QueueFull, none): they share slots fairly with other
+        submissions, as one submission (see the module's docstring)."""
+        for request in requests:
+            self.check(request)
+        ids = [next(self._ids) for _ in requests]
+        handles = [RequestHandle(r, i, group=ids[0]) for r, i in zip(requests, ids)]
+        for h in handles:
+            h._text, h._stops = IncrementalText(self.tokenizer), StopMatcher(h.request.stop)
         with self._wake:
-            self._waiting.append(handle)
+            self.queue.add_prompts(handles)
+            self._wake.notify()
+        return handles
+
+    def submit_scores(self, sequences: list[list[int]], top: int = 0, *, queue: bool = True) -> ScoreHandle:
+        """Queue token sequences to score (meshlm.serve.scoring.Scorer.score's arguments); the loop
+        scores them a chunk at a time between decode steps. ValueError for sequences the Scorer cannot
+        take; QueueFull as for `submit`, unless `queue` is False (work that must finish, such as the
+        log-probabilities of a reply already generated)."""
+        scorer = self.scorer()
+        if not 0 <= top <= scorer.top:
+            raise ValueError(f"top must be in [0, {scorer.top}], got {top}")
+        scorer.check(sequences)
+        sequences = [list(map(int, s)) for s in sequences]
+        handle = ScoreHandle(sequences, top, next(self._ids), scorer.chunks(sequences, self.score_chunk_tokens))
+        with self._wake:
+            self.queue.add_scores(handle, check=queue)
             self._wake.notify()
         return handle
 
@@ -226,26 +265,7 @@ class Engine:
         """Run `shape` once on padding rows (it compiles the first time); `publish` it to the other processes."""
         if progress is not None:
             progress(*self.warmed(), shape)
-        kind, *dims = shape
-        try:
-            if kind == "prefill":
-                Bp = self.prefill_batch
-                args = (np.zeros((Bp, dims[0]), np.int32), np.ones(Bp, np.int32),
-                        np.full(Bp, self.max_batch, np.int32), SlotSampling.empty(Bp))  # every row is padding
-                if publish and self._link is not None:
-                    self._link.prefill(*args)
-                jax.block_until_ready(self.steps.prefill(*args))
-            elif kind == "decode":
-                if publish and self._link is not None:
-                    self._link.decode(*dims)
-                jax.block_until_ready(self.steps.decode(*dims))  # only idle slots: none busy during warm-up
-            else:
-                rows, length = dims
-                self.scorer().score([[0] * length] * rows)
-        except Exception:  # noqa: BLE001  (a failed Scorer leaves generation working; its requests fail)
-            if kind != "score":
-                raise
-            log.exception("warming the log-probability scorer failed")
+        run_padding(self, shape, publish)
         self._compiled.add(shape)
 
     def _ran(self, shape: tuple) -> None:
@@ -276,7 +296,7 @@ class Engine:
         pending = None  # (tokens on device, owner of each slot when that step was dispatched)
         while True:
             with self._wake:
-                idle = lambda: not self._waiting and pending is None and not any(self._slots)  # noqa: E731
+                idle = lambda: not self.queue and pending is None and not any(self._slots)  # noqa: E731
                 while not self._stopping and idle() and not (self._background and self.uncompiled()):
                     self._wake.wait()
                 if self._stopping:
@@ -314,9 +334,14 @@ class Engine:
                         self._finish(h, "error", text=f"[error: {type(e).__name__}]")
                         self._slots[i] = None
                 pending = None
-        for h in [*self._slots, *self._waiting]:
+            self._score_next()
+        with self._wake:
+            waiting, scoring = self.queue.drain()
+        for h in [*self._slots, *waiting]:
             if h is not None and not h.done:
                 self._finish(h, "cancelled")
+        for s in scoring:
+            s._finish("cancelled")
 
     def _decode_shape(self) -> tuple[int, int]:
         """The smallest compiled (rows, length) that holds every busy slot and the positions it writes."""
@@ -327,14 +352,34 @@ class Engine:
         """Prefill waiting requests into free slots, a group of up to `prefill_batch` at a time."""
         while True:
             with self._wake:
-                while self._waiting and self._waiting[0].cancelled:
-                    self._finish(self._waiting.popleft(), "cancelled")
                 free = [i for i, h in enumerate(self._slots) if h is None]
-                take = min(len(free), len(self._waiting), self.prefill_batch)
-                group = [self._waiting.popleft() for _ in range(take)]
+                held = collections.Counter(h.group for h in self._slots if h is not None)
+                group, cancelled = self.queue.take_prompts(min(len(free), self.prefill_batch), held)
+                for h in cancelled:
+                    self._finish(h, "cancelled")
             if not group:
                 return
             self._prefill_group(group, free[:len(group)])
+
+    def _score_next(self) -> None:
+        """Score one chunk of the scoring request whose turn it is (finishing cancelled ones first)."""
+        with self._wake:
+            h, chunk, cancelled = self.queue.next_chunk()
+        for c in cancelled:
+            c._finish("cancelled")
+        if h is None:
+            return
+        try:
+            shape = self._scorer.score_into(h, chunk)
+        except Exception:  # noqa: BLE001  (fail this request only; generation goes on)
+            log.exception("scoring failed")
+            with self._wake:
+                self.queue.drop(h)
+            h._finish("error")
+            return
+        self.stats["score_chunks"] += 1
+        if shape in self._plan:
+            self._ran(shape)
 
     def _prefill_group(self, group: list[RequestHandle], slots: list[int]) -> None:
         Bp = self.prefill_batch
@@ -419,4 +464,4 @@ class Engine:
         self.stats[f"finished_{reason}"] += 1
 
 
-__all__ = ["Engine", "GenerationRequest", "Event", "RequestHandle"]
+__all__ = ["Engine", "GenerationRequest", "Event", "RequestHandle", "ScoreHandle", "QueueFull"]

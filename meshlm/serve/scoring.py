@@ -15,6 +15,11 @@ buckets (the data-parallel size times a power of two, up to `max_batch`), so rep
 compile again (`compiled_shapes()`). Causal attention makes padding after a sequence change nothing
 before it. The head runs over a chunk of positions at a time, so float32 logits are never held for
 the whole batch: only [rows, chunk, vocab]. The log-probabilities are the model's own (no temperature).
+
+A server scores through its engine instead (`Engine.submit_scores`): `chunks` splits the sequences
+into groups of similar length, each one forward of at most a given number of padded tokens (a
+sequence longer than that is a group of its own), and the engine runs one group between two decode
+steps with `score_chunk`, so that scoring never holds up the streams beside it for longer than a group.
 """
 
 from __future__ import annotations
@@ -112,14 +117,41 @@ class Scorer:
         out: list[Scores] = []
         biggest = self.row_buckets[-1]
         for at in range(0, len(sequences), biggest):
-            out += self._score_group([list(map(int, s)) for s in sequences[at:at + biggest]], top)
+            out += self.score_chunk([list(map(int, s)) for s in sequences[at:at + biggest]], top)
         return out
 
-    # ------------------------------------------------------------------------------- internals
-
-    def _score_group(self, group: list[list[int]], top: int) -> list[Scores]:
+    def bucket(self, group: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """The (rows, length) that one forward over `group` (at most the biggest row bucket) pads to."""
         rows = next(r for r in self.row_buckets if r >= len(group))
-        length = next(n for n in self.length_buckets if n >= max(map(len, group)))
+        return rows, next(n for n in self.length_buckets if n >= max(map(len, group)))
+
+    def chunks(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+        """The indices of `sequences` in groups of one forward each, every group at most `max_tokens`
+        padded tokens (rows × length bucket) or a single sequence; sequences of similar length together."""
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        groups: list[list[int]] = []
+        for i in order:
+            group = groups[-1] + [i] if groups else None
+            if group is not None and len(group) <= self.row_buckets[-1] and (
+                    math.prod(self.bucket([sequences[j] for j in group])) <= max_tokens):
+                groups[-1] = group
+            else:
+                groups.append([i])
+        return groups
+
+    def score_into(self, handle: Any, chunk: list[int]) -> tuple:
+        """Score the sequences `chunk` indexes of a `ScoreHandle` (meshlm/serve/request.py) into its
+        `scores`, finishing it when no chunk is left; the shape run, ("score", rows, length)."""
+        group = [handle.sequences[i] for i in chunk]
+        for i, s in zip(chunk, self.score_chunk(group, handle.top)):
+            handle.scores[i] = s
+        if not handle.chunks:
+            handle._finish("scored")
+        return ("score", *self.bucket(group))
+
+    def score_chunk(self, group: list[list[int]], top: int) -> list[Scores]:
+        """The `Scores` of up to the biggest row bucket of checked sequences, by one forward."""
+        rows, length = self.bucket(group)
         tokens = np.zeros((rows, length), np.int32)
         for i, seq in enumerate(group):
             tokens[i, :len(seq)] = seq

@@ -16,10 +16,18 @@ rest in the background (meshlm/serve/engine.py: `Engine.start(background=True)`)
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
+from typing import Any
 
+import jax
+import numpy as np
+
+from meshlm.serve.sampling import SlotSampling
 from meshlm.serve.shapes import Shapes
+
+log = logging.getLogger("meshlm.serve")
 
 BAR = 24  # the bar's width in characters
 FIXED = 16 + BAR + 5 + 7 + 3 + 7 + 7  # the columns before the shape's name, and the spaces between them
@@ -33,6 +41,32 @@ def plan(shapes: Shapes, score: tuple[int, int] | None = None) -> list[tuple]:
                     key=lambda s: (s[2], s[1]))
     rest = [s for pair in itertools.zip_longest(decode[1:], prefill[1:]) for s in pair if s is not None]
     return [prefill[0], decode[0], *rest] + ([("score", *score)] if score else [])
+
+
+def run_padding(engine: Any, shape: tuple, publish: bool) -> None:
+    """Run `shape` once on an engine's padding rows (it compiles the first time), no slot changing;
+    `publish` it to the other processes. A Scorer shape that fails is logged: generation still works."""
+    kind, *dims = shape
+    link = engine._link if publish else None
+    try:
+        if kind == "prefill":
+            Bp = engine.prefill_batch
+            args = (np.zeros((Bp, dims[0]), np.int32), np.ones(Bp, np.int32),
+                    np.full(Bp, engine.max_batch, np.int32), SlotSampling.empty(Bp))  # every row is padding
+            if link is not None:
+                link.prefill(*args)
+            jax.block_until_ready(engine.steps.prefill(*args))
+        elif kind == "decode":
+            if link is not None:
+                link.decode(*dims)
+            jax.block_until_ready(engine.steps.decode(*dims))  # only idle slots: none busy during warm-up
+        else:
+            rows, length = dims
+            engine.scorer().score([[0] * length] * rows)
+    except Exception:  # noqa: BLE001  (a failed Scorer leaves generation working; its requests fail)
+        if kind != "score":
+            raise
+        log.exception("warming the log-probability scorer failed")
 
 
 def describe(shape: tuple) -> str:
@@ -90,4 +124,4 @@ class WarmupProgress:
                     self._progress.stop()
 
 
-__all__ = ["FIRST", "plan", "describe", "WarmupProgress"]
+__all__ = ["FIRST", "plan", "run_padding", "describe", "WarmupProgress"]

@@ -56,13 +56,13 @@ class _RecordingHandle:
 @pytest.fixture
 def handles(engine, monkeypatch) -> list[_RecordingHandle]:
     recorded = []
-    submit = engine.submit
+    submit_batch = engine.submit_batch  # which `submit` calls too
 
-    def recording_submit(request):
-        recorded.append(_RecordingHandle(submit(request), request))
-        return recorded[-1]
+    def recording_submit_batch(requests):
+        recorded.extend(_RecordingHandle(h, r) for h, r in zip(submit_batch(requests), requests))
+        return recorded[-len(requests):]
 
-    monkeypatch.setattr(engine, "submit", recording_submit)
+    monkeypatch.setattr(engine, "submit_batch", recording_submit_batch)
     return recorded
 
 
@@ -94,6 +94,15 @@ def test_streamed_completion_matches_the_whole_one(client, engine):
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == whole.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_streamed_echo_of_max_tokens_0_is_an_event_stream(client, engine):
+    """`echo` with `max_tokens: 0` scores the prompt only; streamed, it is one chunk with the prompt."""
+    chunks = list(client.completions.create(model=engine.model_name, prompt="The cat", max_tokens=0, echo=True,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert [c.choices[0].text for c in chunks[:-1]] == ["The cat"], chunks
+    assert chunks[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 0
 
 
 def test_chat_completion(client, engine):

@@ -210,18 +210,15 @@ def test_chat_logprobs(http, hf_model, loaded):
         assert entry["top_logprobs"][0]["logprob"] == pytest.approx(row.max(), abs=ATOL)
 
 
-def test_batched_prompts_run_as_one_batch(http, hf_engine, monkeypatch):
+def test_batched_prompts_run_as_one_batch(http, hf_engine):
     scorer = hf_engine.scorer()
-    calls = []
-    score = scorer.score
-    monkeypatch.setattr(scorer, "score", lambda seqs, top=0: calls.append(len(seqs)) or score(seqs, top))
-    steps = hf_engine.stats["decode_steps"]
+    chunks, steps = hf_engine.stats["score_chunks"], hf_engine.stats["decode_steps"]
     reply = post(http, "/v1/completions", {"prompt": [[5 + i, 9, 13] for i in range(4)], "max_tokens": 12,
                                            "temperature": 0, "logprobs": 1})
     generated = reply["usage"]["completion_tokens"]
     steps = hf_engine.stats["decode_steps"] - steps
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
-    assert calls == [4], "the prompts were not scored in one batch"
+    assert hf_engine.stats["score_chunks"] - chunks == 1, "the prompts were not scored in one batch"
     assert generated > 12 and steps <= 16, f"{generated} tokens took {steps} decode steps: not one batch"
     compiled = scorer.compiled_shapes()
     post(http, "/v1/completions", {"prompt": [[7, 8, 9]] * 3, "max_tokens": 0, "echo": True, "logprobs": 0})
