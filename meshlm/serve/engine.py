@@ -14,10 +14,9 @@ A loop on its own thread (this module) repeats:
 
   1. admit: waiting requests take free slots, fairly between submissions (meshlm/serve/queue.py:
      a batch of many prompts cannot keep a prompt submitted after it waiting for the whole batch).
-     Their prompts, right-padded to the smallest length
-     bucket that holds them, run through the model in one prefill (RingAttention when the strategy
-     splits the sequence), which writes their keys and values into their cache rows and samples
-     each first token.
+     Their prompts, right-padded to the smallest length bucket that holds them, run through the
+     model in one prefill (RingAttention when the strategy splits the sequence), which writes their
+     keys and values into their cache rows and samples each first token.
   2. decode: one jitted, donated step advances the busy slots by one token. It runs the smallest
      compiled number of rows that holds them and attends only the cache prefix their tokens fill
      (meshlm/serve/shapes.py).
