@@ -26,3 +26,8 @@ def test_clean_keeps_the_runs():
 def test_clean_outputs_says_what_it_deletes():
     commands = dry_run("clean-outputs")
     assert "deleting outputs/" in commands and "rm -rf outputs" in commands
+
+
+def test_readme_says_what_clean_keeps():
+    text = (ROOT / "README.md").read_text()
+    assert "`make clean-outputs`" in text and "also removes `.venv`" not in text
