@@ -42,7 +42,7 @@ def read_adapters(checkpoint: str | Path, step: int | None = None) -> tuple[Mode
 
     directory, step, _ = find_checkpoint(checkpoint, step)
     where = directory / str(step)
-    ckpt = Checkpointer(directory, async_save=False)
+    ckpt = Checkpointer(directory, async_save=False, read_only=True)
     try:
         with reads_that_may_fail():
             meta = ckpt.meta(step)

@@ -28,7 +28,7 @@ def lora_meta(path: Path, step: int | None = None) -> dict | None:
     from meshlm.checkpoint.manager import Checkpointer, reads_that_may_fail
 
     directory, step, _ = find_checkpoint(path, step)
-    ckpt = Checkpointer(directory, async_save=False)
+    ckpt = Checkpointer(directory, async_save=False, read_only=True)
     try:
         with reads_that_may_fail():
             meta = ckpt.meta(step)
