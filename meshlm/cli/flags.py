@@ -67,8 +67,7 @@ def add_section_flags(parser: argparse.ArgumentParser, cls=config.TrainConfig, t
                       only: tuple[str, ...] | None = None) -> None:
     """The flags of `cls`: a `meshlm.config` section (one help group), or `TrainConfig` (one group per
     section, in `config.SECTIONS` order)."""
-    sections = [(name, s) for name, s in config.SECTIONS.items() if issubclass(cls, s)] if cls is config.TrainConfig \
-        else [(title, cls)]
+    sections = list(config.SECTIONS.items()) if cls is config.TrainConfig else [(title, cls)]
     for name, section in sections:
         group = parser.add_argument_group(title if cls is not config.TrainConfig else name,
                                           (section.__doc__ or "").strip() or None)
@@ -84,7 +83,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser, description: str | None =
 # Model fields that are `meshlm train` flags of their own (--dtype, --param_dtype, --remat, --attention):
 # the flag is the one way to set them, so `--model.dtype=...` is refused rather than overridden by it.
 TRAIN_FLAG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) & frozenset(
-    f.name for f in dataclasses.fields(config.TrainConfig))
+    f.name for f in config.flag_fields())
 
 
 def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:

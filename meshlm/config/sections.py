@@ -1,11 +1,9 @@
-"""A run's settings, in sections: mesh, cluster, model, pipeline, batch, precision, optimizer, lora, data,
-finetune data, eval, checkpoint, logging and tracking.
+"""The sections of a run's settings: mesh, cluster, model, pipeline, batch, precision, optimizer, lora,
+data, finetune data, eval, checkpoint, logging and tracking.
 
 Each section is a dataclass whose fields are the command-line flags (a field's `help` metadata is
-its help text, `cli=False` keeps it off the command line) and whose `check` finds bad values before
-anything else runs. `TrainConfig` is their composition, one flat object: `cfg.batch_size`,
-`cfg.mesh_dim`, ... The commands build their parsers from the sections they take
-(`meshlm.cli.flags.add_section_flags`); Python users construct `TrainConfig(...)` directly.
+its help text, `cli=False` keeps it off the command line) and whose `check(run)` finds bad values
+before anything else runs (`run`: the whole `meshlm.config.TrainConfig`, for checks across sections).
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ class MeshConfig:
     devices: int | None = _flag(None, "simulate N CPU devices (sets XLA's host device count; CPU only; per process)")
     dcn_mesh_dim: str | None = _flag(None, "several hosts: how many ways each of dp,fsdp,tp,sp is split across hosts; --mesh_dim is then one host's share (default: --mesh_dim is the whole mesh, hosts over dp, then fsdp)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         check_positive(self, "devices")
 
 
@@ -75,7 +73,7 @@ class ClusterConfig:
     peer_timeout: float = _flag(20.0, "several processes: stop when another process is silent for this many seconds")
     connect_timeout: float = _flag(120.0, "several processes: how long to wait for the coordinator at start-up, in seconds")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         pass  # meshlm.distributed.resolve checks these together with the environment
 
 
@@ -87,7 +85,7 @@ class ModelSection:
     init_from: str | None = _flag(None, "start from these weights: hf:DIR (a Hugging Face LLaMA folder) or a meshlm convert/export folder")
     model_overrides: dict = _flag(dict, "set by --model.FIELD=VALUE", cli=False)
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         pass  # meshlm.job.resolve_model reads and checks the model
 
 
@@ -100,7 +98,7 @@ class PipelineConfig:
     microbatches: int | None = _flag(None, "with --pp: microbatches per step (default: 2·pp); the batch splits into them")
     virtual_stages: int = _flag(1, "with --pipeline_schedule=interleaved: stages per device (the bubble shrinks by this much)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         pass  # meshlm.job.pipeline_schedule checks them against the mesh and the model
 
 
@@ -112,7 +110,7 @@ class BatchConfig:
     seq_len: int = _flag(256, "tokens per sequence")
     grad_accum: int = _flag(1, "micro-batches per step (gradient accumulation)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         check_positive(self, "batch_size", "seq_len", "grad_accum")
         if self.batch_size % self.grad_accum:
             raise UsageError(f"--batch_size={self.batch_size} is not divisible by --grad_accum={self.grad_accum}")
@@ -131,7 +129,7 @@ class PrecisionConfig:
                        "the MLP), save_qkv_attn (q, k, v, attention output), full (the layer input)")
     attention: str = _flag("auto", "attention kernel: auto (splash on TPU, cuDNN or Triton on GPU, on CPU dense below 256 tokens, blockwise from 256), blockwise, dense, cudnn, triton, splash")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         check_dtype(self.dtype)
         # Training in these formats goes wrong without an error: refused until they get what they need.
         if self.dtype == "float16":
@@ -162,7 +160,7 @@ class OptimizerSection:
                                        "when resuming with a larger --steps, pass the first run's --steps to keep its "
                                        "learning-rate schedule (after it the rate stays at lr × --min_lr_ratio)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         check_positive(self, "steps", "schedule_steps")
 
 
@@ -193,9 +191,9 @@ class LoraConfig:
                               "lm_head ...) naming the weights that get adapters (default: the attention and MLP projections)")
     lora_base_dtype: str = _flag("float32", "dtype the frozen base weights are held in with LoRA: float32 or bfloat16")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         check_lora(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_base_dtype)
-        if self.lora_rank and getattr(self, "pp", 1) > 1:
+        if self.lora_rank and run is not None and run.pp > 1:
             raise UsageError("--lora_rank with --pp: LoRA does not run pipelined yet; drop --pp")
 
 
@@ -207,7 +205,7 @@ class DataConfig:
     tokenizer: str | None = _flag(None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)")
     seed: int = _flag(0, "seed for parameters and data order")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         pass
 
 
@@ -224,7 +222,7 @@ class ChatDataConfig:
     long_conversations: str | None = _flag(None, "chat data: a conversation longer than --seq_len is cut to it "
                                            "(truncate, the default) or left out (drop); the log counts them")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         if not self.text_field.strip():
             raise UsageError("--text_field is empty; name the JSONL key that holds the text, e.g. --text_field=content")
         if self.loss_on is not None and self.loss_on not in LOSS_ON:
@@ -246,7 +244,7 @@ class EvalConfig:
     eval_batches: int | None = _flag(None, "batches of --batch_size rows per evaluation, the same rows each time "
                                      "(default: as many as the held-out rows give, at most 10)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         if self.eval_dataset is not None and self.eval_split is not None:
             raise UsageError("--eval_dataset and --eval_split both choose the evaluation rows; pass one of them")
         if self.eval_split is not None and not 0.0 < self.eval_split < 1.0:
@@ -274,7 +272,7 @@ class CheckpointConfig:
     save_every: int = _flag(0, "save a checkpoint every N steps (0: only at the end); re-running resumes from the newest")
     keep: int = _flag(3, "how many of the newest checkpoints to keep")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         if self.save_every < 0 or self.keep <= 0:
             raise UsageError("--save_every must be ≥ 0 and --keep ≥ 1")
 
@@ -286,7 +284,7 @@ class LoggingConfig:
     log_every: int = _flag(10, "log loss, tokens/s, TFLOP/s per device and MFU every N steps")
     peak_tflops: float | None = _flag(None, "peak TFLOP/s per device for MFU (default: built-in table, or a matmul probe on CPU)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         check_positive(self, "log_every")
 
 
@@ -299,7 +297,7 @@ class TrackingConfig:
     profile_steps: str | None = _flag(None, "A:B: write a jax.profiler trace of steps A to B into the run folder's "
                                       "profile/ (open it in TensorBoard's profile tab or Perfetto)")
 
-    def check(self) -> None:
+    def check(self, run=None) -> None:
         if self.tracker not in TRACKERS:
             raise UsageError(f"--tracker={self.tracker}: choose {', '.join(TRACKERS[:-1])} or {TRACKERS[-1]}")
         if self.tracker == "wandb":
@@ -309,7 +307,7 @@ class TrackingConfig:
                 raise UsageError("--tracker=wandb needs the wandb package: pip install wandb (or --tracker=tensorboard)")
         if self.profile_steps is not None:
             first, last = profile_range(self.profile_steps)
-            steps = getattr(self, "steps", None)
+            steps = run.steps if run is not None else None
             if steps is not None and first > steps:
                 raise UsageError(f"--profile_steps={self.profile_steps} starts after the last step ({steps}); "
                                  f"pick steps within --steps")
@@ -327,28 +325,10 @@ def profile_range(spec: str) -> tuple[int, int]:
     return a, b
 
 
-# The sections in the order their flags are listed by `meshlm train --help`.
+# The sections in the order their flags are listed by `meshlm train --help`: help-group title -> class.
 SECTIONS = {
     "mesh": MeshConfig, "cluster": ClusterConfig, "model": ModelSection, "pipeline": PipelineConfig,
     "batch": BatchConfig, "precision": PrecisionConfig, "optimizer": OptimizerSection, "lora": LoraConfig,
-    "data": DataConfig,
-    "finetune data": ChatDataConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-    "tracking": TrackingConfig,
+    "data": DataConfig, "finetune data": ChatDataConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig, "tracking": TrackingConfig,
 }
-
-
-@dataclass
-class TrainConfig(TrackingConfig, LoggingConfig, CheckpointConfig, EvalConfig, ChatDataConfig, DataConfig,
-                  LoraConfig, OptimizerSection, PrecisionConfig, BatchConfig, PipelineConfig, ModelSection, ClusterConfig,
-                  MeshConfig):
-    """Every `meshlm train` flag: the composition of the sections above."""
-
-    def validate(self) -> None:
-        """Each section's checks, in order; the first problem is one `UsageError` line."""
-        for section in SECTIONS.values():
-            section.check(self)
-
-    def section(self, name: str):
-        """One section's values as its own dataclass, e.g. `cfg.section("precision").dtype`."""
-        cls = SECTIONS[name]
-        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
