@@ -161,6 +161,23 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
     return auto_policy(plan_job(cfg, model, shape), shape, budget, memory_compiler(device), kept)
 
 
+def check_auto_remat(cfg: TrainConfig) -> None:
+    """`--remat=auto` named on the command line needs the memory model's prediction, which holds for the
+    one layout it models (`meshlm.plan.job.PLANNED_STRATEGY`, no --zero_stage or --sharding_rules): one
+    line otherwise. Left at its default, auto keeps choosing from that model's prediction."""
+    from meshlm.plan.job import PLANNED_STRATEGY
+
+    if cfg.remat != "auto" or "remat" not in cfg.given:
+        return
+    other = [f"--{name}={value}" for name, value in (("strategy", cfg.strategy), ("zero_stage", cfg.zero_stage),
+                                                      ("sharding_rules", cfg.sharding_rules))
+             if value is not None and value != PLANNED_STRATEGY]
+    if other:
+        raise UsageError(f"--remat=auto with {' '.join(other)}: the memory model that chooses it plans only "
+                         f"--strategy={PLANNED_STRATEGY}; name a policy instead, e.g. --remat=save_qkv_attn "
+                         f"(or --remat=full)")
+
+
 MEMORY_CHECK = "MESHLM_MEMORY_CHECK"  # 0: run a job the memory model predicts not to fit
 
 
@@ -253,8 +270,8 @@ def check_output(cfg: TrainConfig, model: ModelConfig) -> None:
 
 
 def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job:
-    """A training job from its flags on the devices JAX has (all processes'): model, mesh shape,
-    pipeline, strategy; with `output`, --output_dir and the checkpoint in it (`check_output`); with
+    """A training job from its flags on the devices JAX has (all processes'), in this order: model, mesh
+    shape and pipeline, strategy, remat; with `output`, --output_dir and the checkpoint in it (`check_output`); with
     `build`, the mesh and the placement too. Raises UsageError."""
     import jax
 
@@ -265,6 +282,10 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
                                         jax.device_count(), jax.process_count(), cfg.pp)
     pipeline = pipeline_schedule(cfg, shape, model.n_layers) if shape.pp > 1 else None
     check_mesh(cfg, shape, model)
+    strategy, rules = choose_strategy(cfg, shape, pipeline is not None)
+    if init_source is not None and rules and rules.layers:
+        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
+    check_auto_remat(cfg)
     if output:  # a training job on the devices JAX has (explain may compile for a TPU topology instead)
         check_kernel(model, cfg.seq_len)
         check_output(cfg, model)
@@ -272,9 +293,6 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
         model = model.replace(remat=auto_remat(cfg, model, shape))
     if output:
         check_memory(cfg, model, shape)
-    strategy, rules = choose_strategy(cfg, shape, pipeline is not None)
-    if init_source is not None and rules and rules.layers:
-        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
     job = Job(model, shape, dcn if jax.process_count() > 1 else None, pipeline, strategy, rules, init_source)
     return _build(job) if build else job
 

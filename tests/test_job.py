@@ -121,3 +121,32 @@ def test_serving_mesh_misfit_is_said_in_serving_terms():
                        (3, r"--max_batch=3 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)")):
         with pytest.raises(UsageError, match=words):
             resolve_serving(PRESETS["tiny"], mesh_dim="2,2,2,1", max_batch=bad, build=False)
+
+
+def test_resolve_chooses_the_strategy_before_the_remat(monkeypatch):
+    """model -> mesh -> strategy -> remat: a strategy that cannot split the batch is found before the
+    memory model is asked for a remat policy."""
+    from meshlm import job as joblib
+
+    monkeypatch.setattr(joblib, "auto_remat", lambda *a, **k: pytest.fail("remat chosen before the strategy"))
+    with pytest.raises(UsageError, match="--strategy=dp splits the batch over tp = 8 devices"):
+        joblib.resolve(TrainConfig(model="test", strategy="dp", mesh_dim="1,1,8,1", batch_size=4, seq_len=32),
+                       build=False, output=False)
+
+
+def test_auto_remat_named_is_refused_where_the_planner_does_not_model_the_strategy(capsys):
+    code = main(["train", "--devices=8", "--model=test", "--dataset=synthetic", "--steps=1", "--batch_size=8",
+                 "--seq_len=32", "--strategy=fsdp", "--remat=auto"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--remat=auto with --strategy=fsdp: the memory model that chooses it plans only --strategy=default" in err[0]
+
+
+def test_auto_remat_by_default_or_on_the_planned_strategy_is_chosen():
+    from meshlm.job import resolve
+
+    for cfg in (TrainConfig(model="test", strategy="fsdp", batch_size=8, seq_len=32),  # left at its default
+                TrainConfig(model="test", remat="auto", batch_size=8, seq_len=32)):
+        assert resolve(cfg, build=False, output=False).model.remat != "auto"
+    with pytest.raises(UsageError, match="--remat=auto with --zero_stage=1"):
+        resolve(TrainConfig(model="test", remat="auto", zero_stage=1, batch_size=8, seq_len=32), build=False)

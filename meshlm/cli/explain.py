@@ -32,8 +32,9 @@ def run(argv: list[str]) -> int:
     from meshlm.platform import configure_runtime
 
     argv, overrides = split_model_overrides(argv)
-    args = parser().parse_args(argv)
-    cfg = train_config(args, overrides, drop=("tensor", "png", "json", "details"))
+    flags = parser()
+    args = flags.parse_args(argv)
+    cfg = train_config(args, overrides, drop=("tensor", "png", "json", "details"), given=flags.given)
     configure_runtime(cfg.devices)
     from meshlm.explain.report import explain
 

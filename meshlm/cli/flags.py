@@ -44,7 +44,9 @@ class Parser(argparse.ArgumentParser):
             if name.startswith("--") and len(name) > 2 and name not in flags:
                 if hint := did_you_mean(name, flags):
                     self.error(f"unknown flag {name}{hint}")
-        return super().parse_args(args, namespace)
+        parsed = super().parse_args(args, namespace)
+        self.given = frozenset(a[2:].split("=", 1)[0] for a in args or () if a.startswith("--"))
+        return parsed
 
 
 def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None) -> None:
@@ -109,9 +111,12 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, overrides
 
 
-def train_config(args: argparse.Namespace, overrides: dict, drop: tuple[str, ...] = ()) -> config.TrainConfig:
-    """A checked TrainConfig from parsed flags (leaving out the command's own flags in `drop`)."""
+def train_config(args: argparse.Namespace, overrides: dict, drop: tuple[str, ...] = (),
+                 given: frozenset[str] = frozenset()) -> config.TrainConfig:
+    """A checked TrainConfig from parsed flags (leaving out the command's own flags in `drop`); `given`:
+    the flags named on the command line (`Parser.given`), the rest were left at their defaults."""
     values = {k: v for k, v in vars(args).items() if k not in drop}
     cfg = config.TrainConfig(**values, model_overrides=overrides)
+    cfg.given = given
     cfg.validate()
     return cfg

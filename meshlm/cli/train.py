@@ -17,7 +17,8 @@ def run(argv: list[str]) -> int:
 
     raw = list(argv)
     argv, overrides = split_model_overrides(argv)
-    cfg = train_config(parser().parse_args(argv), overrides)
+    flags = parser()
+    cfg = train_config(flags.parse_args(argv), overrides, given=flags.given)
     cluster = distributed.resolve(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.peer_timeout)
     if cluster.multi_process and not distributed.is_worker():
         return distributed.supervise(["train", *raw], cluster)  # the work runs in a watched child

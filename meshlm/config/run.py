@@ -61,13 +61,15 @@ class TrainConfig:
 
     def __init__(self, **values: Any):
         for title, cls in SECTIONS.items():
-            given = values.pop(ATTRIBUTES[title], None)
-            object.__setattr__(self, ATTRIBUTES[title], dataclasses.replace(given) if given is not None else cls())
+            section = values.pop(ATTRIBUTES[title], None)
+            object.__setattr__(self, ATTRIBUTES[title], dataclasses.replace(section) if section is not None else cls())
         for name, value in values.items():
             if name not in OWNER:
                 raise TypeError(f"TrainConfig() got an unexpected keyword argument {name!r}")
             setattr(self, name, value)
         object.__setattr__(self, "_checked", None)
+        # The flags named (on the command line, or here by keyword), as against left at their defaults.
+        object.__setattr__(self, "given", frozenset(values))
 
     def __getattr__(self, name: str):
         owner = OWNER.get(name)

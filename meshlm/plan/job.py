@@ -19,7 +19,10 @@ import jax.numpy as jnp
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, check_shape_fits
 from meshlm.models.configs import ModelConfig
+from meshlm.strategy import DEFAULT
 
+# The layout the memory and cost models compute with: the one strategy they plan.
+PLANNED_STRATEGY = DEFAULT.name
 
 
 @dataclass(frozen=True)
