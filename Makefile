@@ -8,8 +8,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+LINT_STAMP := $(VENV)/.installed-lint
+# The linter, formatter and type checker, pinned so that a clone, CI and pre-commit agree on the findings.
+LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
 
-.PHONY: install run test test-fast bench clean clean-outputs
+.PHONY: install run test test-fast lint bench clean clean-outputs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +38,16 @@ STEPS ?= 120
 run: install
 	$(BIN)/meshlm train --devices=8 --mesh_dim=2,2,2,1 --model=tiny --steps=$(STEPS) --batch_size=8 --seq_len=256 \
 		--lr=3e-3 --log_every=10 --output_dir=outputs/run
+
+# ruff (lint, then the formatter's check) over the tree, mypy over the core packages ([tool.mypy] files).
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q $(LINT_TOOLS)
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile

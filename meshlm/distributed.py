@@ -73,7 +73,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
             peer_timeout: float = DEFAULT_PEER_TIMEOUT, environ=None) -> Cluster:
     """The cluster from flags, then the JAX_* variables, then a cluster JAX recognises; checked."""
     environ = os.environ if environ is None else environ
-    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    given: dict[str, Any] = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
     for key, var in ENV.items():
         if given[key] is None and environ.get(var):
             given[key] = environ[var]
@@ -95,7 +95,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     pid = _int(given["process_id"], "process_id")
     if not 0 <= pid < n:
         raise UsageError(f"--process_id={pid} is not in 0 .. {n - 1} (--num_processes={n}); number the processes from 0")
-    address = given["coordinator_address"]
+    address = str(given["coordinator_address"] or "")
     if not address:
         raise UsageError("--coordinator_address is missing: give HOST:PORT of process 0, the same for every process")
     _split_address(address)
@@ -139,7 +139,7 @@ def initialize(cluster: Cluster, *, connect_timeout: float = 60.0) -> None:
     if cluster.auto_detect:
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
     else:
-        if cluster.process_id > 0:
+        if cluster.process_id > 0 and cluster.coordinator_address is not None:
             wait_for_coordinator(cluster.coordinator_address, connect_timeout)
         jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id,
                                    initialization_timeout=int(connect_timeout), heartbeat_timeout_seconds=heartbeat)
@@ -276,7 +276,7 @@ def supervise(argv: list[str], cluster: Cluster) -> int:
     tail: collections.deque[str] = collections.deque(maxlen=400)
     said, crashing = False, False
     try:
-        for line in proc.stderr:
+        for line in proc.stderr or ():
             tail.append(line)
             said = said or line.startswith("error: ")
             crashing = crashing or bool(re.match(r"^[EF]\d{4} ", line))

@@ -144,14 +144,15 @@ def _instructions(lines: list[str]) -> dict[str, tuple[str, str, str]]:
 def _operands(rest: str) -> list[str]:
     """Operand names of an instruction (the text inside its parentheses, shapes left out)."""
     depth, end = 1, 0
-    for end, ch in enumerate(rest):
+    for position, ch in enumerate(rest):
+        end = position
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
             break
     return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
-def _constant(instrs: dict, name: str, depth: int = 0) -> int | None:
+def _constant(instrs: dict, name: str | None, depth: int = 0) -> int | None:
     """The integer a scalar instruction holds, through copies and bitcasts; None when it is computed."""
     shape, op, rest = instrs.get(name, ("", "", ""))
     if op == "constant":
@@ -162,7 +163,7 @@ def _constant(instrs: dict, name: str, depth: int = 0) -> int | None:
     return None
 
 
-def _tuple_index(instrs: dict, name: str) -> int | None:
+def _tuple_index(instrs: dict, name: str | None) -> int | None:
     """k when the instruction is get-tuple-element(parameter, index=k), through copies."""
     shape, op, rest = instrs.get(name, ("", "", ""))
     if op == "copy" and (args := _operands(rest)):
@@ -185,11 +186,10 @@ def inferred_trip_count(comps: dict[str, list[str]], caller: dict, while_rest: s
     if root is None or c_instrs[root][1] != "compare":
         return None
     direction = re.search(r"direction=(\w+)", c_instrs[root][2])
-    a, b = (_operands(c_instrs[root][2]) + [None, None])[:2]
-    if _constant(c_instrs, b) is not None and (k := _tuple_index(c_instrs, a)) is not None:
-        limit, d = _constant(c_instrs, b), direction.group(1) if direction else "LT"
-    elif _constant(c_instrs, a) is not None and (k := _tuple_index(c_instrs, b)) is not None:
-        limit = _constant(c_instrs, a)
+    a, b = ([*_operands(c_instrs[root][2]), None, None])[:2]
+    if (limit := _constant(c_instrs, b)) is not None and (k := _tuple_index(c_instrs, a)) is not None:
+        d = direction.group(1) if direction else "LT"
+    elif (limit := _constant(c_instrs, a)) is not None and (k := _tuple_index(c_instrs, b)) is not None:
         d = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction.group(1) if direction else "", "NE")
     else:
         return None

@@ -133,7 +133,8 @@ def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim", pp:
     if n_devices % pp:
         raise UsageError(f"--pp={pp} does not divide the {n_devices} devices; use a pp that does")
     unit = "hosts" if flag_name == "--dcn_mesh_dim" else "devices" if pp == 1 else f"devices per stage (of {n_devices} / pp={pp})"
-    return MeshShape(*_fill(values, n_devices // pp, flag, unit), pp=pp)
+    dp, fsdp, tp, sp = _fill(values, n_devices // pp, flag, unit)
+    return MeshShape(dp, fsdp, tp, sp, pp=pp)
 
 
 def parse_mp_mesh_dim(text: str, n_devices: int, fsdp: bool = False) -> MeshShape:

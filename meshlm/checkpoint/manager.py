@@ -52,7 +52,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------- save
 
     def should_save(self, step: int) -> bool:
-        return bool(self.save_every) and step % self.save_every == 0
+        return self.save_every is not None and self.save_every != 0 and step % self.save_every == 0
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
         """Start saving (returns once the arrays are copied off the devices; the write continues in the
@@ -183,7 +183,8 @@ def _holds(stored: dict[str, tuple], abstract_state: Any) -> bool:
 def error_line(error: BaseException) -> str:
     """One line saying why a read failed: the TensorStore error underneath Orbax's wrapper when there is
     one (Orbax's own message around it prints a method's repr, `<bound method ...>`), its first line."""
-    chain, e = [], error
+    chain: list[BaseException] = []
+    e: BaseException | None = error
     while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
@@ -232,7 +233,8 @@ _NO_SPACE = "No space left on device"
 def disk_full(error: BaseException) -> bool:
     """Whether `error`, or one it was raised from or groups, is a full disk (or quota): an OSError with
     ENOSPC/EDQUOT, or TensorStore's wording of one."""
-    seen, pending = set(), [error]
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
     while pending:
         e = pending.pop()
         if e is None or id(e) in seen:

@@ -54,7 +54,10 @@ class ParamsSource(Source):
 
     def block(self, leaf: Leaf, layer: int | None) -> np.ndarray:
         entry = self.entries[leaf.name]
-        return entry.read_rows(layer, layer + 1)[0] if leaf.layers else entry.read_rows()
+        if leaf.layers:
+            assert layer is not None, f"{leaf.name} is stacked over layers: read it one layer at a time"
+            return entry.read_rows(layer, layer + 1)[0]
+        return entry.read_rows()
 
     def slice(self, leaf: Leaf, index: tuple[slice, ...]) -> np.ndarray:
         return self._slices.slice(self.entries[leaf.name], tuple(index))

@@ -35,6 +35,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -100,7 +101,7 @@ def is_chat_dataset(spec: str, text_field: str = "text") -> bool:
     spec = spec.strip()
     if is_synthetic(spec) or spec.lower() == "stdlib" or spec.startswith("hf:"):
         return False
-    corpus = open_corpus(spec, text_field)
+    corpus = cast(FileCorpus, open_corpus(spec, text_field))  # local data (hf: returned above)
     first = next((p for p in corpus.files if p.suffix == ".jsonl"), None)
     if first is None:
         return False
@@ -200,9 +201,9 @@ def pack_conversations(encoded, seq_len: int, eos_id: int, long_conversations: s
     if fill:
         pad(seq_len - fill)
     pad(1)  # the last row's last target
-    tokens, flags = np.concatenate(tokens), np.concatenate(flags)
-    stats["blocks"] = (len(tokens) - 1) // seq_len
-    return tokens, flags, stats
+    token_array, flag_array = np.concatenate(tokens), np.concatenate(flags)
+    stats["blocks"] = (len(token_array) - 1) // seq_len
+    return token_array, flag_array, stats
 
 
 def pack_chat_rows(rows: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:
@@ -240,7 +241,7 @@ def tokenize_chat(spec: str, tokenizer, seq_len: int, options: ChatOptions = Cha
         with np.load(path) as f:
             return ChatData(f["tokens"], f["flags"], template, origin, json.loads(str(f["stats"])))
     encoded = (encode_conversation(template, tokenizer, messages, options.loss_on, where)
-               for where, messages in read_conversations(corpus))
+               for where, messages in read_conversations(cast(FileCorpus, corpus)))
     tokens, flags, stats = pack_conversations(encoded, seq_len, tokenizer.eos_id, options.long_conversations)
     tokens = tokens.astype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
 

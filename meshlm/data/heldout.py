@@ -85,7 +85,7 @@ def make_eval_batches(train_loader, eval_dataset: str | None, n_batches: int | N
     """The evaluation batches of a run: the training loader's held-out rows (it was made with
     `eval_split`), or `eval_dataset` (any `--dataset` spec) packed with the same tokenizer and seq_len."""
     L = train_loader
-    text_field = text_field or getattr(L, "text_field", "text")  # by default read as the training data is
+    text_field = str(text_field or getattr(L, "text_field", "text"))  # by default read as the training data is
     cache_dir = cache_dir if cache_dir is not None else getattr(L, "cache_dir", None)
     common = dict(tokenizer=L.tokenizer, seq_len=L.seq_len, global_batch_size=L.global_batch_size, n_batches=n_batches,
                   process_index=L.process_index, process_count=L.process_count, seed=L.seed)

@@ -205,14 +205,17 @@ class DataLoader:
         self.local_batch_size = global_batch_size // process_count
         self.step = int(start_step)
         self.synthetic = is_synthetic(spec)
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, np.arange(0)  # epoch -1: no order drawn yet
         self.eval_split = eval_split or None
-        self.held_out = self.train_rows = None  # None: every row trains (and synthetic data has no rows)
+        # None: every row trains (and synthetic data has no rows)
+        self.held_out: np.ndarray | None = None
+        self.train_rows: np.ndarray | None = None
         self.text_field, self.cache_dir = text_field, cache_dir
         self.chat = chat_options(spec, text_field, chat_template, loss_on, long_conversations)
         self.flags = self.chat_data = None  # chat data only: which targets count, where conversations start
         if self.synthetic:
-            self.tokens, self.num_rows, self.steps_per_epoch = None, None, None
+            self.tokens, self.num_rows = None, None
+            self.steps_per_epoch: int | None = None
             return
         if self.chat is not None:
             self.chat_data = tokenize_chat(spec, tokenizer, seq_len, self.chat, cache_dir=cache_dir, text_field=text_field)
@@ -221,14 +224,15 @@ class DataLoader:
             self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
         self.num_rows = max(len(self.tokens) - 1, 0) // seq_len
         n_train = self.num_rows
+        held_out = None
         if self.eval_split:
-            self.held_out = held_out_rows(self.num_rows, self.eval_split)
+            self.held_out = held_out = held_out_rows(self.num_rows, self.eval_split)
             keep = np.ones(self.num_rows, bool)
-            keep[self.held_out] = False
+            keep[held_out] = False
             self.train_rows = np.flatnonzero(keep)
             n_train = len(self.train_rows)
         if n_train < global_batch_size:
-            held = f" ({len(self.held_out)} held out by --eval_split={self.eval_split})" if self.eval_split else ""
+            held = f" ({len(held_out)} held out by --eval_split={self.eval_split})" if held_out is not None else ""
             raise UsageError(
                 f"dataset {spec!r} has {len(self.tokens)} tokens: {n_train} training rows of seq_len "
                 f"{seq_len} + 1{held}, fewer than the global batch of {global_batch_size}; use a smaller "
@@ -245,7 +249,7 @@ class DataLoader:
         """This process's rows of global batch `step`: a dict of `[local_batch, seq_len]` arrays."""
         first = self.process_index * self.local_batch_size
         global_rows = np.arange(first, first + self.local_batch_size)
-        if self.synthetic:
+        if self.synthetic or not self.steps_per_epoch:
             return self._synthetic_batch(step, global_rows)
         epoch, k = divmod(step, self.steps_per_epoch)
         row_ids = self._permutation(epoch)[k * self.global_batch_size + global_rows]
@@ -255,7 +259,7 @@ class DataLoader:
         """The epoch's order of the training rows (all rows, or those not held out)."""
         if epoch != self._perm_epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            n = self.num_rows if self.train_rows is None else len(self.train_rows)
+            n = (self.num_rows or 0) if self.train_rows is None else len(self.train_rows)
             order = rng.permutation(n) if self.shuffle else np.arange(n)
             self._perm = order if self.train_rows is None else self.train_rows[order]
             self._perm_epoch = epoch
@@ -289,10 +293,10 @@ class DataLoader:
         self.step += 1
         return batch
 
-    def state(self) -> dict[str, int]:
+    def state(self) -> dict[str, int | float | None]:
         """The data position, to store in a checkpoint: the step of the next batch, and the
         epoch, seed, row count and held-out row count for checking."""
-        state = {
+        state: dict[str, int | float | None] = {
             "step": self.step,
             "epoch": self.epoch,
             "seed": self.seed,

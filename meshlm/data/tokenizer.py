@@ -46,7 +46,7 @@ class Tokenizer:
                 f"tokenizer has no {eos_token!r} token; use one with an end-of-text token"
             )
         self._tok = tok
-        self._as_text = None  # a copy that encodes special tokens' text as plain text
+        self._as_text: tokenizers.Tokenizer | None = None  # a copy that encodes special tokens' text as plain text
         self.path = path  # the tokenizer.json this was loaded from or last saved to
         self.eos_token = eos_token
         self.eos_id = eos_id
@@ -84,8 +84,9 @@ class Tokenizer:
 
     def _plain_text_tokenizer(self) -> tokenizers.Tokenizer:
         if self._as_text is None:
-            self._as_text = tokenizers.Tokenizer.from_str(self._tok.to_str())
-            self._as_text.encode_special_tokens = True
+            as_text = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            as_text.encode_special_tokens = True
+            self._as_text = as_text
         return self._as_text
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from meshlm.errors import UsageError
 
@@ -98,7 +98,7 @@ def run_tasks(lm: Any, tasks: list[str], manager: Any, *, num_fewshot: int | Non
     return results, tracker
 
 
-def _network_error(e: BaseException) -> bool:
+def _network_error(e: BaseException | None) -> bool:
     """Whether an exception (or one it was raised from) is a failed download rather than a local fault."""
     seen = 0
     while e is not None and seen < 8:
@@ -145,9 +145,10 @@ def summary_table(results: dict, column: str = "results"):
     from rich.table import Table
 
     table = Table(title="groups" if column == "groups" else None)
-    for name, justify in (("Task" if column == "results" else "Group", "left"), ("Version", "right"),
-                          ("Filter", "left"), ("n-shot", "right"), ("Metric", "left"), ("Value", "right"),
-                          ("Stderr", "right")):
+    columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("Task" if column == "results" else "Group", "left"), ("Version", "right"), ("Filter", "left"),
+        ("n-shot", "right"), ("Metric", "left"), ("Value", "right"), ("Stderr", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, overflow="fold")
     for task, metrics in results.get(column, {}).items():
         label = str(metrics.get("alias", task))

@@ -19,7 +19,7 @@ progress bar:
                          cuts them (the first after the end-of-text token, each later one seeing the
                          token before it, the last one as much as fits), every window of every
                          document scored in the same batches.
-  generate_until         meshlm.serve.engine.Engine (made on first use from the same weights; the
+  generate_until         meshlm.serve.engine.batching.Engine (made on first use from the same weights; the
                          scorer then uses the engine's copy): every request queued at once, its stop
                          strings (`until`) and `max_gen_toks` passed on, greedy unless the task samples.
 """
@@ -27,7 +27,7 @@ progress bar:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: it looks for them only in an empty registry)
 from lm_eval.api.model import TemplateLM
@@ -126,7 +126,7 @@ class MeshLM(TemplateLM):
                     if key is not None:
                         self.cache_hook.add_partial("loglikelihood", key, out[i])
                 bar.update(len(batch))
-        return out
+        return cast(list[tuple[float, bool]], out)  # every request scored by now
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -84,7 +86,7 @@ def state_memory(placement: Placement, compiled_step, compiled_grads, batch: dic
     state = compiled_step.memory_analysis().argument_size_in_bytes - batch_bytes
     grads = compiled_grads.memory_analysis().output_size_in_bytes if compiled_grads is not None else grad_bytes(placement)
     pp = "pp" if placement.mesh.shape.get("pp", 1) > 1 else None
-    out = {"params+opt_state": int(state), "grads": int(grads), "total": int(state + grads),
+    out: dict[str, Any] = {"params+opt_state": int(state), "grads": int(grads), "total": int(state + grads),
            "grads_from": "compiled" if compiled_grads is not None else "layouts",
            "n_params": n_params(placement, pp), "data_devices": data_size(placement)}
     stage = placement.strategy.zero_stage
@@ -160,7 +162,7 @@ def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict
         for direction, (src, dst) in (("forward", specs), ("backward", specs[::-1])):
             move = jax.jit(lambda v: v, in_shardings=NamedSharding(placement.mesh, src),
                            out_shardings=NamedSharding(placement.mesh, dst))
-            moves[direction] = collectives(move.lower(x).compile().as_text(), placement)
+            moves[direction] = collectives(move.lower(x).compile().as_text() or "", placement)
         out.append(dict(before=f"layers {a.key} ({a.strategy.name})", after=f"layers {b.key} ({b.strategy.name})",
                         shape=shape, spec_before=specs[0], spec_after=specs[1], **moves))
     return out
@@ -187,7 +189,7 @@ def layout(placement: Placement, path: str) -> dict:
     sharded = [d for d, e in enumerate(entries) if e is not None]
     # The sharded dimensions, then the last ones (a stacked layers axis in front is the least telling).
     dims = sorted((sharded + [d for d in reversed(range(len(shape))) if d not in sharded])[:2]) if len(shape) >= 2 else [0]
-    index_map = NamedSharding(placement.mesh, spec).devices_indices_map(shape)
+    index_map: Mapping[Any, Any] = NamedSharding(placement.mesh, spec).devices_indices_map(shape)
     blocks: dict[tuple, list[int]] = {}
     for device, index in index_map.items():
         key = tuple(index[d].indices(shape[d])[:2] for d in dims)
@@ -228,7 +230,7 @@ def write_png(placement: Placement, path: str, out: str | Path) -> Path:
     fig = Figure(figsize=(7, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    colours = {}
+    colours: dict[Any, Any] = {}
     cmap = __import__("matplotlib").colormaps["tab20"]
     for key, ids in g["blocks"].items():
         r = key[0]

@@ -35,7 +35,8 @@ def compile_step(job: Job, cfg: TrainConfig) -> CompiledStep:
         return CompiledStep(step, grads, None, batch)
     # The pipelined step; its gradients are read from their layouts (one compile, not two).
     state, batch = abstract_state(job.placement, optimizer), abstract_batch(job.placement, cfg.batch_size, cfg.seq_len)
-    step = make_train_step(job.placement, optimizer, pipeline=job.pipeline).lower(state, batch).compile()
+    jitted: Any = make_train_step(job.placement, optimizer, pipeline=job.pipeline)
+    step = jitted.lower(state, batch).compile()
     return CompiledStep(step, None, state, batch)
 
 

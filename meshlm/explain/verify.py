@@ -99,7 +99,7 @@ def compile_placed(job: Job, shape: MeshShape, devices: list[Any]):
     batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=rows) for k in BATCH_KEYS}
     pipeline = schedule_of(job.pipeline, shape.pp) if shape.pp > 1 else None
-    step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum, pipeline)
+    step: Any = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum, pipeline)
     return step.lower(abstract_state(placement, optimizer), batch).compile(), placement
 
 

@@ -141,7 +141,7 @@ V5E_ONCHIP = 112 * 2**20
 
 CATALOG: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional (450 one way);
-    # DGX H100: 8 GPUs, 8 x 400 Gb/s ConnectX-7 (50 GB/s per GPU). Peaks: meshlm.train.metrics.PEAK_TABLE.
+    # DGX H100: 8 GPUs, 8 x 400 Gb/s ConnectX-7 (50 GB/s per GPU). Peaks: meshlm.flops.PEAK_TABLE.
     "h100": _gpu("h100", "NVIDIA H100 80GB HBM3", 80e9, 3.35e12, 450e9, 50e9,
                  "NVIDIA H100 SXM5 and DGX H100 datasheets", **HOPPER),
     # NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; same NVLink 4 and ConnectX-7 as DGX H100.

@@ -40,6 +40,7 @@ the readings of the schedule table, `meshlm.plan.schedule`.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 from dataclasses import dataclass
 
 from meshlm import axes
@@ -314,7 +315,8 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     """The rated operator table of a pipelined step: the rows of `meshlm.plan.cost` with the FLOPs of
     `operator_flops`, and a row for the stage transfers."""
     flops = operator_flops(job, shape)
-    rows = {name: (text, flops.get(name, f)) for name, (text, f) in cost.operator_rows(job, shape).items()}
+    # Every operator the cost table leaves without FLOPs (the layers') is counted in `flops`.
+    rows = {name: (text, cast(float, flops.get(name, f))) for name, (text, f) in cost.operator_rows(job, shape).items()}
     s = schedule_of(job.pipeline, shape.pp)
     x = cost.notation(axes.STREAM, DEFAULT.activations, shape)
     rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"

@@ -213,6 +213,7 @@ def print_stages(plan: Plan, console) -> None:
     from rich.table import Table
 
     pl = plan.pipeline
+    assert pl is not None, "print_stages is for a pp plan"
     s = pl.schedule
     console.print(f"pipeline of {plan.shape.flags}: {s.name}, {s.pp} stages"
                   + (f" × {s.virtual} virtual" if s.virtual > 1 else "")

@@ -87,6 +87,7 @@ def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
         least = min(range(len(trials)), key=peaks.__getitem__)
         if peaks[least] < smallest_bytes:
             smallest, smallest_bytes = trials[least], peaks[least]
+    assert smallest is not None, "remat.variants yields at least one policy"
     return evaluate(smallest, shape, hw)
 
 
@@ -95,7 +96,7 @@ def _best_on_cpu(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     scratch the host allocator keeps where this machine keeps it), at the fewest micro-batches that fit."""
     from meshlm import platform
 
-    kept = platform.KEPT_BLOCK_BYTES if platform.keep_host_memory() else 0  # as train sets it
+    kept = CPU.kept_block_bytes()  # as train sets it
     plan = None
     for trials in remat.variants(job, shape):
         trial = replace(trials[0], cfg=job.cfg)
@@ -103,6 +104,7 @@ def _best_on_cpu(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
         plan = evaluate(remat.with_remat(trial, policy), shape, hw)
         if plan.fits:
             return plan
+    assert plan is not None, "remat.variants yields at least one policy"
     return plan
 
 

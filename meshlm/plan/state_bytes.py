@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,8 +26,9 @@ from meshlm.models.configs import ModelConfig
 from meshlm.strategy import DEFAULT
 
 
-def abstract_mesh(shape: MeshShape) -> AbstractMesh:
-    """A device-free mesh of this shape: enough for sharding arithmetic and for `place`."""
+def abstract_mesh(shape: MeshShape) -> Any:
+    """A device-free mesh of this shape (an AbstractMesh): enough for sharding arithmetic and for `place`,
+    which take it where they take a Mesh."""
     return AbstractMesh(shape.sizes, AXES)
 
 
@@ -36,7 +38,7 @@ class Leaf:
 
     shape: tuple[int, ...]
     itemsize: int
-    logical: tuple  # logical axis names of the parameter this leaf follows; None: replicated
+    logical: tuple | None  # logical axis names of the parameter this leaf follows; None: replicated
 
 
 def local_elements(leaf: Leaf, sizes: dict[str, int], strategy: sharding.Strategy) -> int:
@@ -62,7 +64,7 @@ class StateBytes:
         self._memo: dict[tuple[int, MeshShape], int] = {}
         placement = place(cfg, abstract_mesh(MeshShape()), strategy)
         params, treedef = jax.tree.flatten(placement.shapes)
-        logical = treedef.flatten_up_to(placement.logical)
+        logical = treedef.flatten_up_to(placement.logical)  # type: ignore[attr-defined]  # not in jax's stubs
         self.params = [Leaf(p.shape, np.dtype(p.dtype).itemsize, tuple(spec)) for p, spec in zip(params, logical)]
         index = jax.tree.unflatten(treedef, list(range(len(params))))
         opt_shapes = jax.eval_shape(optimizer.init, placement.shapes)
