@@ -25,12 +25,12 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # one process owns the device
 
 import argparse  # noqa: E402
-import shutil  # noqa: E402
 import collections  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -48,13 +48,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import meshlm.models.llama as llama  # noqa: E402
+from meshlm.flops import model_flops_per_token  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.configs import resolve_model  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
 from meshlm.ops import kernels  # noqa: E402
-from meshlm.flops import model_flops_per_token  # noqa: E402
-from meshlm.train.metrics import resolve_peak  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from meshlm.train.metrics import resolve_peak  # noqa: E402
 from meshlm.train.state import TrainState, create_train_state, state_shardings  # noqa: E402
 from meshlm.train.step import loss_sums  # noqa: E402
 
@@ -110,7 +110,7 @@ def run(cfg, kernel: str, args, profile_dir: str | None = None) -> dict:
     memory = step.lower(state, batch).compile().memory_analysis()
     compile_s = time.perf_counter() - t0
     times, losses = [], []
-    for i in range(args.warmup + args.steps):
+    for _ in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         state, loss = step(state, batch)
         losses.append(float(loss))  # waits for the step

@@ -204,8 +204,8 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from meshlm.checkpoint.source import ArraySource
     from meshlm.checkpoint.hf_folder import write_hf
+    from meshlm.checkpoint.source import ArraySource
     from meshlm.models.placement import place
 
     cfg = resolve_model(args.preset).replace(dtype="float32", param_dtype="float32",

@@ -43,14 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from meshlm.explain.verify import compile_step, error_percent, measure  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.configs import resolve_model  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
+from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer  # noqa: E402
 from meshlm.plan import comms, memory, search  # noqa: E402
 from meshlm.plan.hardware import resolve_hardware  # noqa: E402
 from meshlm.plan.job import Job  # noqa: E402
-from meshlm.explain.verify import compile_step, error_percent, measure  # noqa: E402
-from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer  # noqa: E402
 from meshlm.train.state import create_train_state  # noqa: E402
 from meshlm.train.step import make_train_step, put_batch, sequence_permutation  # noqa: E402
 from tests.plan.test_accuracy import CASES, IDS, job_for  # noqa: E402

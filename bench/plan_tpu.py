@@ -162,13 +162,16 @@ def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
             base = exact["params"] + exact["optimizer"] + exact["batch"]
             for place in FIT_START:
                 row = [sizes[t] / 1e9 if p == place else 0.0 for p, t in free]
-                a_ub.append(row + [0.0] * n); b_ub.append(((1 + err) * peak - base) / 1e9)
+                a_ub.append(row + [0.0] * n)
+                b_ub.append(((1 + err) * peak - base) / 1e9)
                 if place == held:
-                    a_ub.append([-x for x in row] + [0.0] * n); b_ub.append((base - (1 - err) * peak) / 1e9)
+                    a_ub.append([-x for x in row] + [0.0] * n)
+                    b_ub.append((base - (1 - err) * peak) / 1e9)
         for i in range(n):  # d_i >= |c_i - start_i|
             up, down = [0.0] * (2 * n), [0.0] * (2 * n)
             up[i], up[n + i], down[i], down[n + i] = 1.0, -1.0, -1.0, -1.0
-            a_ub += [up, down]; b_ub += [start[i], -start[i]]
+            a_ub += [up, down]
+            b_ub += [start[i], -start[i]]
         res = linprog([0.0] * n + [1 / s for s in start], A_ub=np.array(a_ub), b_ub=np.array(b_ub),
                       bounds=[(0, None)] * (2 * n))
         return list(res.x[:n]) if res.success else None
@@ -221,9 +224,11 @@ def fit_loss_place(rows: list[tuple[dict, dict, int, MeshShape]], compiler: str)
         for base, other, size, peak in cases:
             if base + other > (1 + err) * peak:
                 continue
-            a_ub.append([x / 1e9 for x in size]); b_ub.append(((1 + err) * peak - base) / 1e9)
+            a_ub.append([x / 1e9 for x in size])
+            b_ub.append(((1 + err) * peak - base) / 1e9)
             if base + other < (1 - err) * peak:
-                a_ub.append([-x / 1e9 for x in size]); b_ub.append((base - (1 - err) * peak) / 1e9)
+                a_ub.append([-x / 1e9 for x in size])
+                b_ub.append((base - (1 - err) * peak) / 1e9)
         cost = [sum(size[i] for _, _, size, _ in cases) / 1e9 if objective else 0.0 for i in range(len(names))]
         res = linprog(cost, A_ub=np.array(a_ub), b_ub=np.array(b_ub), bounds=[(0, None)] * len(names))
         return list(res.x) if res.success else None

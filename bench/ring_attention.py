@@ -180,7 +180,7 @@ def time_section(lengths, sp: int, kvh: int, block: int, warmup: int, repeats: i
         (base_wall, base_cpu), (zz_wall, zz_cpu) = res["blockwise"], res["zigzag"]
         path = critical_path(t, sp, ring_block, kvh, warmup=1, repeats=repeats)
         print(
-            f"{t:>6} | {'1.00x (%.2f s CPU)' % base_cpu:>19} | {zz_cpu / base_cpu:>15.2f}x | "
+            f"{t:>6} | {f'1.00x ({base_cpu:.2f} s CPU)':>19} | {zz_cpu / base_cpu:>15.2f}x | "
             f"{zz_wall / base_wall:>5.2f}x | {path['contiguous'] / path['zigzag']:>20.2f}x | "
             f"{res['contiguous'][0] / zz_wall:>5.2f}x"
         )

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from meshlm import distributed
+from meshlm.config import TrainConfig
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, resolve_hybrid, split_over_hosts
-from meshlm.config import TrainConfig
 from meshlm.train.loop import train
 from tests.support.cli import ROOT, free_port
 

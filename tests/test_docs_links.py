@@ -21,7 +21,7 @@ NOT_FILES = {
     "meshlm/serve/step/B/n": "meshlm/serve/engine/multihost.py",  # a key of jax.distributed's key-value store
 }
 # Flags of other tools that the pages quote, with the tool.
-OTHER_TOOLS = {"--model_args": "lm_eval"}
+OTHER_TOOLS = {"--model_args": "lm_eval", "--fix": "ruff check"}
 PATH = re.compile(r"(?<![\w./-])((?:meshlm|bench|tests|docs|examples|\.ci)/[\w./-]*\w)")
 MODULE = re.compile(r"(?<![\w./-])(meshlm(?:\.\w+)+)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_]*)")

@@ -3,7 +3,14 @@
 import pytest
 
 from meshlm.errors import UsageError
-from meshlm.mesh import MeshShape, all_mesh_shapes, parse_mesh_dim, parse_mp_mesh_dim, resolve_mesh_shape, validate_mesh_shape
+from meshlm.mesh import (
+    MeshShape,
+    all_mesh_shapes,
+    parse_mesh_dim,
+    parse_mp_mesh_dim,
+    resolve_mesh_shape,
+    validate_mesh_shape,
+)
 
 GOOD = [
     ("1,64,4,1", 256, (1, 64, 4, 1)),

@@ -21,7 +21,15 @@ import numpy as np
 from meshlm.checkpoint.folders import CONFIG_FILE, Staging, carried_files, check_out, copy_carried
 from meshlm.checkpoint.hf_map import Leaf, hf_tensor_order, leaves
 from meshlm.checkpoint.safetensors_io import (
-    INDEX_FILE, Entry, SafetensorsWriter, SliceReader, index_json, np_dtype, read_header, read_index, shard_file_names,
+    INDEX_FILE,
+    Entry,
+    SafetensorsWriter,
+    SliceReader,
+    index_json,
+    np_dtype,
+    read_header,
+    read_index,
+    shard_file_names,
 )
 from meshlm.checkpoint.source import Source, slice_bounds
 from meshlm.errors import UsageError

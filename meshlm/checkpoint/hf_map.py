@@ -13,8 +13,9 @@ The config.json side of the mapping (validation included) is `meshlm.models.conf
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

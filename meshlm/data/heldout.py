@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshlm.data.corpus import is_synthetic
 from meshlm.data.chat import tokenize_chat
+from meshlm.data.corpus import is_synthetic
 from meshlm.data.loader import EVAL_SEED, pack_rows, read_rows, tokenize_corpus
 from meshlm.errors import UsageError
 

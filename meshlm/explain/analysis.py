@@ -25,7 +25,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshlm import axes, hlo
 from meshlm.errors import UsageError, closest

@@ -27,7 +27,8 @@ class CompiledStep:
 def compile_step(job: Job, cfg: TrainConfig) -> CompiledStep:
     from meshlm.optimizer import OptimizerConfig, make_optimizer
     from meshlm.train.state import abstract_state
-    from meshlm.train.step import abstract_batch, compile_step as compile_train_step, make_train_step
+    from meshlm.train.step import abstract_batch, make_train_step
+    from meshlm.train.step import compile_step as compile_train_step
 
     optimizer = make_optimizer(OptimizerConfig(clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay))
     if job.pipeline is None:
@@ -44,12 +45,12 @@ def explain(cfg: TrainConfig, tensor: str | None = None, png: str | None = None,
             compiled: CompiledStep | None = None) -> dict:
     """Everything `meshlm explain` shows, as one dict (specs and shapes as text). `job` and `compiled`
     are resolved and compiled here unless given."""
+    import jax
     import numpy as np
 
     from meshlm import job as joblib
-    import jax
-
-    from meshlm.explain import analysis as A, pipeline as PL
+    from meshlm.explain import analysis as A
+    from meshlm.explain import pipeline as PL
     from meshlm.explain.names import readable
 
     job = job or joblib.resolve(cfg, output=False)

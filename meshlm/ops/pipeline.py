@@ -25,8 +25,9 @@ the other mesh axes (batch over dp/fsdp, heads over tp) stay automatic inside ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

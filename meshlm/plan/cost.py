@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm import sharding
+from meshlm.flops import model_flops_per_token
 from meshlm.mesh import MeshShape
 from meshlm.plan import comms
 from meshlm.plan.hardware import Hardware
@@ -41,7 +42,6 @@ from meshlm.plan.job import Job, Local
 from meshlm.plan.memory import saved_per_token_layer
 from meshlm.plan.state_bytes import abstract_mesh
 from meshlm.strategy import DEFAULT
-from meshlm.flops import model_flops_per_token
 
 _LETTER = {"batch": "B", "length": "T", "embed": "E", "heads": "H", "kv_heads": "K", "head_dim": "D",
            "mlp": "M", "vocab": "V", "layers": "L"}

@@ -53,10 +53,10 @@ from dataclasses import dataclass, field
 
 from meshlm.mesh import MeshShape
 from meshlm.plan.hardware import CATALOG, GPU_NAMES
-
-GPUS = [CATALOG[name] for name in GPU_NAMES]
 from meshlm.plan.job import Job, Local
 from meshlm.plan.state_bytes import state_bytes
+
+GPUS = [CATALOG[name] for name in GPU_NAMES]
 
 # Buffers of each size live at each of the two places (see the module docstring), fitted to
 # XLA:CPU's buffer assignment (docs/plan.md, "Accuracy").

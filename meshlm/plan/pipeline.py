@@ -40,8 +40,8 @@ the readings of the schedule table, `meshlm.plan.schedule`.
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
 from dataclasses import dataclass
+from typing import cast
 
 from meshlm import axes
 from meshlm.mesh import MeshShape

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from meshlm import sharding
 from meshlm.mesh import AXES, MeshShape

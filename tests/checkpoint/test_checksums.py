@@ -24,7 +24,7 @@ def abstract():
 def save_steps(directory, steps=(1, 2)):
     ckpt = Checkpointer(directory)
     for step in steps:
-        ckpt.save(step, jax.tree.map(lambda a: a + step, STATE), {"position": step}, {"seed": 0})
+        ckpt.save(step, jax.tree.map(lambda a, step=step: a + step, STATE), {"position": step}, {"seed": 0})
     ckpt.close()
 
 
@@ -129,7 +129,7 @@ def test_error_line_gives_the_store_error_under_orbax_wrapper():
         try:
             raise ValueError('OUT_OF_RANGE: Error reading "params.w/0"\nmore detail')
         except ValueError:
-            raise Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+            raise Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "  # noqa: B904 (the implicit chain is what Orbax raises)
                             "details: <bound method pybind11_detail_function_record_v1_system_libstdcpp of spec>.")
     except Exception as e:  # noqa: BLE001
         line = error_line(e)

@@ -22,7 +22,14 @@ from meshlm.models.placement import place
 from meshlm.train.state import TrainState, state_shardings
 from meshlm.train.step import make_train_step, put_batch
 from tests.support.hf import (
-    hf_folder_logits, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama, torch_logits, write_tokenizer,
+    hf_folder_logits,
+    mesh_of,
+    meshlm_logits,
+    small_hf_config,
+    tokens_for,
+    torch_llama,
+    torch_logits,
+    write_tokenizer,
 )
 
 CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96, max_seq_len=128,

@@ -19,8 +19,16 @@ from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.placement import place
 from tests.support.hf import (
-    hf_folder_logits, hf_tensor_shapes, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama,
-    torch_logits, write_numpy_hf, write_tokenizer,
+    hf_folder_logits,
+    hf_tensor_shapes,
+    mesh_of,
+    meshlm_logits,
+    small_hf_config,
+    tokens_for,
+    torch_llama,
+    torch_logits,
+    write_numpy_hf,
+    write_tokenizer,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

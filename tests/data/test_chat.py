@@ -74,7 +74,7 @@ def test_only_the_assistant_tokens_count_token_by_token(tok, name, reply_end):
         if m["role"] != "assistant":
             assert m["content"] in other and m["content"] not in counted
     # token by token: a token counts exactly when it lies inside a reply
-    text, spans = "", []
+    spans = []
     for k, m in enumerate(CONVERSATION):
         if m["role"] == "assistant":
             before = template.render(CONVERSATION[:k])

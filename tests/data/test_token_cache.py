@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from meshlm.data import make_loader, tokenize_corpus
-from meshlm.data import token_cache
+from meshlm.data import make_loader, token_cache, tokenize_corpus
 from meshlm.data.token_cache import DamagedCache, open_token_cache
 from meshlm.errors import UsageError
 

@@ -9,11 +9,11 @@ import pytest
 
 from meshlm.cli import main
 from meshlm.cli.explain import print_report
-from meshlm.explain.report import compile_step, explain
-from meshlm.job import resolve
-from meshlm.ops.pipeline import FWD, BWD, build_schedule
-from meshlm.hlo import parse_collectives
 from meshlm.config import TrainConfig
+from meshlm.explain.report import compile_step, explain
+from meshlm.hlo import parse_collectives
+from meshlm.job import resolve
+from meshlm.ops.pipeline import BWD, FWD, build_schedule
 from tests.support.cli import meshlm
 
 BASE = dict(model="test", model_overrides={"n_layers": "4"}, batch_size=8, seq_len=32, dtype="float32")

@@ -7,11 +7,11 @@ abstract inputs on the 8 simulated CPU devices (nothing is allocated).
 import jax
 import pytest
 
+from meshlm.explain.verify import compile_step, error_percent, measure
 from meshlm.mesh import parse_mesh_dim
 from meshlm.models.configs import resolve_model
 from meshlm.plan import comms, memory
 from meshlm.plan.job import Job
-from meshlm.explain.verify import compile_step, error_percent, measure
 
 GQA = {"n_kv_heads": "4", "n_layers": "3"}
 # (model overrides, mesh_dim, batch, seq_len, remat, grad_accum)

@@ -289,8 +289,8 @@ def fit_set() -> None:
 
     import jax
 
-    from meshlm.plan import comms
     from meshlm.explain.verify import compile_placed, error_percent, measure, stage_transfer_bytes
+    from meshlm.plan import comms
 
     mem, coll, xfer = [], [], []
     for model, mesh_dim, pp, schedule, M, V, batch, seq, remat in FIT_CASES:
