@@ -12,20 +12,17 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshlm.errors import UsageError
+from meshlm.models.lora_options import DEFAULT_TARGETS as LORA_TARGETS, check_lora
+from meshlm.models.remat import POLICIES as REMAT_POLICIES
+from meshlm.ops.kernel_names import KERNELS as ATTENTION
 
 # Compute dtypes a flag may name; `auto` is bfloat16 where matmuls are fast in it, else float32 (meshlm.platform).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
-# Chat fine-tuning data (meshlm.data.chat) and metric trackers (meshlm.train.tracking).
-LOSS_ON = ("assistant", "all")
-LONG_CONVERSATIONS = ("truncate", "drop")
+# Metric trackers (meshlm.train.tracking opens them; it sits above this module, so the names live here).
 TRACKERS = ("tensorboard", "wandb", "none")
-# LoRA (meshlm.models.lora): the weights adapted by default (every attention and MLP projection).
-LORA_TARGETS = r"attn/w[qkvo]$|mlp/(gate|up|down)$"
-# Rematerialisation policies (meshlm.models.llama.REMAT_POLICIES implements them).
-REMAT = ("auto", "none", "full", "save_dots", "save_qkv_attn", "save_attn")
-# Attention kernels (meshlm.ops.kernels dispatches them); `auto` picks the backend's own.
-ATTENTION = ("auto", "blockwise", "dense", "cudnn", "triton", "splash")
+# Rematerialisation policies (meshlm.models.remat), or `auto`: the planner's choice (meshlm.job.auto_remat).
+REMAT = ("auto", *REMAT_POLICIES)
 
 
 def _flag(default, help: str, **kw):
@@ -164,22 +161,6 @@ class OptimizerSection:
         check_positive(self, "steps", "schedule_steps")
 
 
-def check_lora(rank: int, alpha: float, targets: str, base_dtype: str) -> None:
-    """The LoRA flags (also what `meshlm.models.lora.LoraSpec` checks): one line naming the fix."""
-    import re
-
-    if rank < 0:
-        raise UsageError(f"--lora_rank={rank} must be ≥ 0 (0 turns LoRA off)")
-    if alpha <= 0:
-        raise UsageError(f"--lora_alpha={alpha} must be positive, e.g. 16")
-    if base_dtype not in PARAM_DTYPES:
-        raise UsageError(f"--lora_base_dtype={base_dtype}: choose float32 or bfloat16")
-    try:
-        re.compile(targets)
-    except re.error as e:
-        raise UsageError(f"--lora_targets={targets!r} is not a regular expression ({e})") from None
-
-
 @dataclass
 class LoraConfig:
     """LoRA fine-tuning: low-rank adapters on frozen base weights (docs/lora.md)."""
@@ -223,6 +204,8 @@ class ChatDataConfig:
                                            "(truncate, the default) or left out (drop); the log counts them")
 
     def check(self, run=None) -> None:
+        from meshlm.data.chat import LONG_CONVERSATIONS, LOSS_ON
+
         if not self.text_field.strip():
             raise UsageError("--text_field is empty; name the JSONL key that holds the text, e.g. --text_field=content")
         if self.loss_on is not None and self.loss_on not in LOSS_ON:

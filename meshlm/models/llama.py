@@ -26,24 +26,14 @@ from meshlm import axes, sharding
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.loss import head_loss_sums, project
+from meshlm.models.remat import POLICIES as REMAT_NAMES, checkpoint_policy
 from meshlm.ops import kernels
-from meshlm.ops.attention import LSE_NAME, OUT_NAME
 from meshlm.ops.decode import decode_attention
 from meshlm.ops.linear import linear
 from meshlm.ops.ring import ring_attention
 
-# What each layer keeps for its backward pass (the rest is recomputed there), heaviest first. The names are
-# `checkpoint_name` tags: "qkv" the rotated projections, OUT_NAME / LSE_NAME the attention kernel's output
-# and log-sum-exp (tagged inside the kernels, so the backward never re-runs attention), "attn_proj" the
-# attention's output projection. meshlm.plan.memory models what each one keeps.
-_ATTN = ("qkv", OUT_NAME, LSE_NAME)
-REMAT_POLICIES = {
-    "none": None,  # keep every activation: fastest, most memory
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs only
-    "save_attn": jax.checkpoint_policies.save_only_these_names(*_ATTN, "attn_proj"),  # recompute norms, MLP
-    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names(*_ATTN),  # and the output projection
-    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer in the backward pass
-}
+# What each layer keeps for its backward pass (the rest is recomputed there): meshlm.models.remat.
+REMAT_POLICIES = {name: checkpoint_policy(name) for name in REMAT_NAMES}
 
 
 def _param(rngs: nnx.Rngs, shape, logical, std: float, dtype) -> nnx.Param:

@@ -30,14 +30,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshlm import sharding
-from meshlm.config import check_lora
 from meshlm.axes import LORA_RANK
 from meshlm.errors import UsageError
+from meshlm.models.lora_options import DEFAULT_TARGETS, check_lora
 from meshlm.models.placement import Placement
 from meshlm.strategy.rules import flatten, resolve, unflatten
 
-# The attention and MLP projections of every layer.
-DEFAULT_TARGETS = r"attn/w[qkvo]$|mlp/(gate|up|down)$"
 # The weights LoRA can adapt, by leaf name: how many leading axes (after a stacked leaf's `layers`) are
 # the projection's input.
 IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "gate": 1, "up": 1, "down": 1, "lm_head": 1}

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from meshlm.config import ATTENTION as KERNELS
+from meshlm.ops.kernel_names import KERNELS
 from meshlm.errors import UsageError
 from meshlm.ops import attention as attn
 from meshlm.ops.gpu import MAX_DOCUMENTS

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshlm.mesh import MeshShape
+from meshlm.models.remat import POLICIES  # least recomputation first
 from meshlm.plan import estimate
 from meshlm.plan.job import Job
 
-POLICIES = ("none", "save_dots", "save_attn", "save_qkv_attn", "full")
 CPU_POLICIES = ("save_qkv_attn", "full")  # XLA:CPU past a kept block of scratch: recomputing beats storing (meshlm.job.auto_remat)
 ACCUMS = (1, 2, 4, 8, 16, 32, 64)
 

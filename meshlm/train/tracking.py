@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from meshlm.config import TRACKERS
 from meshlm.errors import UsageError
 
-TRACKERS = ("tensorboard", "wandb", "none")
 
 
 class TensorBoardTracker:
