@@ -1,21 +1,12 @@
 """Several processes, one program: JAX's multi-controller runtime, set up from flags or the cluster.
 
-Every process runs the same command. `initialize` joins them through `jax.distributed` (process 0
-hosts the coordinator) before anything touches a device; one process needs nothing and gets nothing.
-On CPU the processes' collectives run over gloo, so a whole cluster can be rehearsed on one machine
-with several local processes talking over loopback.
-
-Where the settings come from, first match wins:
-1. the flags `--coordinator_address`, `--num_processes`, `--process_id`;
-2. the variables `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`;
-3. a cluster JAX detects by itself (SLURM, Open MPI, TPU pods, ...) when it sets its variables;
-4. otherwise a single process.
-
-A process that dies must not leave the others waiting forever in a collective. Each process
-publishes a heartbeat in the coordinator's key-value store and a watchdog thread reads the others';
-when one falls silent for `peer_timeout` seconds, or the coordinator cannot be reached for as long,
-the process prints one line saying which process and why and exits with status 1. (JAX's own
-heartbeat, set to twice as long, is the backstop; it aborts with a stack trace.)
+Every process runs the same command; `initialize` joins them through `jax.distributed` (process 0
+hosts the coordinator) before anything touches a device. On CPU the collectives run over gloo, so a
+cluster can be rehearsed on one machine. Settings come from the flags `--coordinator_address`,
+`--num_processes`, `--process_id`, else the `JAX_*` variables, else a cluster JAX detects, else one
+process. Each process publishes a heartbeat and a watchdog exits with one line when a peer falls
+silent for `peer_timeout` seconds; `run` and `supervise` run a command as a supervised worker.
+docs/distributed.md, "How the processes find each other and fail", has the details.
 """
 
 from __future__ import annotations

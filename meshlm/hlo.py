@@ -1,26 +1,15 @@
 """Collectives of a compiled program, read from its partitioned HLO text (`compiled.as_text()`).
 
 Shared by `meshlm plan` (which checks its predictions against the compiler) and `meshlm explain`
-(which lists what the compiler did). Two readings of the same instructions:
+(which lists what the compiler did):
 
 - `parse_collectives`: every collective with its payload bytes, group size and executions per step;
 - `on_mesh`: the same on a device mesh, with the mesh axes each collective's groups span.
 
-Every device runs the same SPMD program, so the collectives in the text are what *each* device
-takes part in. A collective inside a `while` body (the scan over layers, gradient accumulation) runs
-once per iteration: its bytes are multiplied by the loop's `known_trip_count`, and nested loops
-multiply. XLA:TPU prints no `known_trip_count`: the count is then read from the loop itself (`i < n`
-in its condition, the start in the tuple it takes, the step in its body). XLA:TPU's asynchronous
-collective fusions hold a copy of their collective in each part (start, the compute fused with its
-continuation, done); only the start's is counted. An async `-start` returns (operands, results,
-u32[] contexts): its payload is read from the operand or result half as below.
-
-Bytes are *payload* bytes: the size of the buffer the collective is about, unsharded over its
-group — the gathered result of an all-gather, the input of a reduce-scatter or all-reduce, the
-buffer a collective-permute sends. That measure does not depend on how a backend lowers a
-reduction (XLA:CPU writes reduce-scatter as all-reduce + slice; GPU and TPU keep reduce-scatter),
-so predictions can be checked on simulated CPU devices. Wire time is a different figure: see
-`meshlm.plan.comms`.
+A collective inside a `while` body counts once per iteration (`known_trip_count`, or on XLA:TPU the
+loop's own bounds). Bytes are payload bytes (the buffer the collective is about, unsharded over its
+group), which do not depend on how a backend lowers a reduction; wire time is `meshlm.plan.comms`'s.
+docs/plan.md, "Reading collectives from compiled HLO", has the details.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Chat fine-tuning data: conversations rendered with a chat template, loss on the assistant's tokens.
 
-A chat dataset is a `.jsonl` file (or folder or glob of them) whose lines hold a `messages` list of
-{"role", "content"} objects, the way OpenAI and Hugging Face write conversations:
-
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                  {"role": "assistant", "content": "Hello!"}]}
-
-Rendering: each conversation becomes one string through the template serving uses
-(`meshlm.data.chat_template`: the tokenizer's own, or `--chat_template=NAME|PATH`), and is encoded
-as serving encodes a prompt, so the tokens before each reply are exactly the tokens `meshlm serve`
-feeds the model for that conversation (the template must render earlier turns the same whatever
-follows them). A token counts in the loss (`--loss_on=assistant`, the default) when it starts inside
-an assistant reply: the text between the prompt rendered with the generation prompt and the
-conversation rendered through that reply, its end-of-turn marker included. The end-of-text token
-closes the conversation (counted when the last message is the assistant's). `--loss_on=all` counts
-every token.
-
-Packing: conversations are never split over rows. They are laid, in order, into blocks of `seq_len`
-tokens, a block padded with end-of-text tokens (never counted) when the next conversation does not
-fit; one longer than `seq_len` tokens is cut to `seq_len` (`truncate`) or left out (`drop`), and
-counted. The blocks, concatenated, are a stream like the plain-text one (`meshlm.data.loader`): row
-r is the `seq_len + 1` tokens from `r * seq_len`, its last target the first token of the next block,
-which never counts. Beside the tokens a flags stream holds, per token, `TARGET` (counts in the loss
-when it is a target) and `START` (a conversation or padding begins), from which `pack_chat_rows`
-numbers the segments: attention stays within a conversation even when the template's end-of-turn
-token is the tokenizer's end-of-text token.
+A chat dataset is `.jsonl` whose lines hold a `messages` list of {"role", "content"} objects. Each
+conversation is rendered through the template serving uses (`meshlm.data.chat_template`) and
+encoded as serving encodes a prompt; with `--loss_on=assistant` (the default) a token counts when it
+starts inside an assistant reply, `--loss_on=all` counts every token. Conversations are packed
+whole into blocks of `seq_len` tokens (a longer one cut or dropped, `--long_conversations`), with a
+flags stream (`TARGET`, `START`) beside the tokens from which `pack_chat_rows` numbers the segments.
+docs/data.md, "Chat data", has the rendering and packing rules in full.
 """
 
 from __future__ import annotations

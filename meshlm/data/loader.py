@@ -1,32 +1,12 @@
 """Packing and per-process loading: token ids in, one process's share of each global batch out.
 
-Packing: every document is tokenized and followed by the end-of-text id, all of them are
-concatenated into one stream (cached as `<cache>/tokens/<spec>-<hash>.npy`, checked when read back:
-`meshlm.data.token_cache`), and row r of the
-corpus is the `seq_len + 1` tokens starting at `r * seq_len`, so that every token is a target
-exactly once. A batch holds, each `[rows, seq_len]`:
-
-- `inputs`, `targets`: a row without its last / first token (int32);
-- `segment_ids`: 1, 2, 3... numbering the documents within the row (a document ends with its
-  end-of-text token), so that attention never crosses a document boundary (int32);
-- `positions`: the position within the document's piece of the row, 0 at each document start and at
-  the row start (int32);
-- `loss_mask`: 0 where the target is the first token of the next document, which the input cannot
-  know about, 1 elsewhere (float32).
-
-Loading: step s of epoch e = s // steps_per_epoch takes global rows `k*B .. k*B+B-1` (k = s mod
-steps_per_epoch) of the epoch's permutation of all rows, seeded by (seed, e). Process p of P gets
-global rows `p*B/P .. (p+1)*B/P - 1` of that batch, so the processes' pieces, stacked in process
-order, are exactly the one-process batch. `batch(step)` is a pure function of the step, which makes
-resuming exact: a loader restored at step k yields what a fresh one yields at step k.
-
-Chat data (JSONL lines with a `messages` list, `meshlm.data.chat`) is rendered with a chat template and
-packed whole conversations to a row, beside a flags stream saying which targets count and where
-conversations start; its rows are read the same way (`read_rows`).
-
-Held out (`eval_split`): `held_out_rows` sets aside a fixed sample of the rows for evaluation
-(`meshlm.data.heldout` reads them) and the epochs permute only the others; without it every row
-trains, in the order above.
+Every document is tokenized, closed by the end-of-text id and concatenated into one cached stream
+(`meshlm.data.token_cache`); row r is the `seq_len + 1` tokens from `r * seq_len`. A batch holds
+`inputs`, `targets`, `segment_ids`, `positions` and `loss_mask`, each `[rows, seq_len]`. Step s
+reads rows of the epoch's permutation seeded by (seed, epoch); process p of P takes its slice of the
+global batch, and `batch(step)` is a pure function of the step, so resuming is exact. Chat data
+(`meshlm.data.chat`) is read the same way with a flags stream; `held_out_rows` sets rows aside for
+evaluation (`eval_split`). docs/data.md, "Packing and loading", has the layout in full.
 """
 
 from __future__ import annotations

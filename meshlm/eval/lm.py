@@ -4,24 +4,11 @@ mesh the weights are placed on.
     import meshlm.eval.lm                                        # registers "meshlm" with lm-eval
     lm = MeshLM(loaded_model, batch_size=16)                     # a meshlm.serve.loading.LoadedModel
     lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
-    lm_eval.simple_evaluate(model="meshlm", model_args={"checkpoint": "outputs/run", "mesh_dim": "2,1,4,1"},
-                            tasks=[...])                 # a dict: a mesh_dim's commas would split a string
 
-The three request kinds, each batched (`batch_size` sequences per forward or engine slots), with a
-progress bar:
-
-  loglikelihood          context and continuation tokenized as lm-eval's TemplateLM does (the
-                         context's trailing spaces move to the continuation, the pair is encoded
-                         whole and split after the context's tokens), then context + continuation
-                         scored by meshlm.serve.scoring.Scorer: the continuation's summed log-probability
-                         and whether every one of its tokens is the likeliest.
-  loglikelihood_rolling  a document in disjoint windows of `max_length` predicted tokens, as lm-eval
-                         cuts them (the first after the end-of-text token, each later one seeing the
-                         token before it, the last one as much as fits), every window of every
-                         document scored in the same batches.
-  generate_until         meshlm.serve.engine.batching.Engine (made on first use from the same weights; the
-                         scorer then uses the engine's copy): every request queued at once, its stop
-                         strings (`until`) and `max_gen_toks` passed on, greedy unless the task samples.
+`loglikelihood` and `loglikelihood_rolling` requests are scored in batches by the engine's scorer
+(`meshlm.serve.engine.scoring`), tokenized as lm-eval's TemplateLM does; `generate_until` queues
+every request on a generation engine made on first use from the same weights. docs/eval.md, "The
+in-process model", says how each request kind is cut and scored.
 """
 
 from __future__ import annotations

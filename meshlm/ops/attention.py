@@ -1,34 +1,15 @@
 """Dot-product attention: the plain reference and a blockwise (flash-style) kernel.
 
-Shapes, shared by every function here and by `meshlm.ops.ring`:
+    q [B, T, H, D], k and v [B, S, KVH, D] (H % KVH == 0), q_positions [B, T], kv_positions [B, S]
+    (< 0: an empty slot), optional segment ids [B, T] / [B, S]; output [B, T, H, D] in q's dtype
 
-    q            [B, T, H, D]      queries
-    k, v         [B, S, KVH, D]    keys and values, H % KVH == 0 (grouped-query attention)
-    q_positions  [B, T] int32      absolute position of each query token
-    kv_positions [B, S] int32      absolute position of each key token; < 0 marks an empty slot
-    *_segment_ids [B, T] / [B, S]  int32 document ids of packed sequences, or None
-    output       [B, T, H, D]      in q's dtype
-
-A query may attend a key iff
-
-    kv_position >= 0                                   (the key slot holds a token)
-    and kv_position <= q_position        (if causal)   (no looking ahead)
-    and q_segment_id == kv_segment_id    (if given)    (no attending across documents)
-
-Masks are built from the positions, never from array indices, so the same code serves training
-(positions 0..T-1, possibly reordered for ring load balancing), decoding with a KV cache (T=1,
-unused cache slots at position -1) and packed sequences. A query with no key to attend (e.g. a
-padding token) gets an output of zeros and zero gradients.
-
-Softmax runs in float32 with scale 1/sqrt(D). Grouped-query attention never copies k/v to H
-heads: queries are viewed (a free reshape) as [B, T, KVH, G, D] with G = H // KVH query heads
-per kv head. Large arrays keep the caller's token-major layout (no whole-array transposes, which
-would cost memory); per-row softmax statistics are kept heads-major, [B, KVH, G, T].
-
-`blockwise_attention` is the memory-efficient path. Its building blocks `forward_chunk` and
-`backward_chunk` fold one chunk of keys/values into a running online-softmax state (forward) or
-into gradient accumulators (backward); `meshlm.ops.ring` calls the same two functions once per
-ring step with the chunk that has just arrived from the neighbouring device.
+A query attends a key when the key slot holds a token, (if causal) the key is not ahead, and (if
+given) both are in the same document. Masks come from positions, never indices, so one code path
+serves training, ring reordering, decoding with a KV cache and packed sequences. Softmax runs in
+float32; grouped-query attention never copies k/v to H heads. `forward_chunk` and `backward_chunk`
+fold one chunk of keys into a running online softmax or into gradient accumulators;
+`meshlm.ops.ring` calls them once per ring step. docs/kernels.md, "Dot-product and blockwise
+attention", has the shapes and layouts in full.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Pipeline parallelism over the `pp` mesh axis: GPipe, 1F1B and interleaved 1F1B.
 
-The model's depth is cut into S = pp × V stages; stage k lives on pp rank k mod pp (V "virtual"
-stages per rank when V > 1, interleaved). A batch is cut into M microbatches. Time runs in clocks;
-in each clock every rank does at most one thing, a stage's forward or backward pass for one
-microbatch, then ranks pass activations to the next rank and cotangents to the previous one with
-`lax.ppermute` (a ring, so that interleaved stages wrap from the last rank to the first).
-
-Which rank does what when is a static table, made here in plain Python by simulating the schedule:
-
-    gpipe        every forward, then every backward: simple, holds all M microbatches' inputs
-    1f1b         forwards and backwards in turn once the pipeline is full: at most 2·pp microbatches
-                 in flight whatever M is, the same bubble as GPipe
-    interleaved  1F1B over V virtual stages per rank: the bubble shrinks by V, more messages
-
-A rank keeps only each in-flight microbatch's *input* to its stage (the stash; the first stage
-recomputes its input from the microbatch's tokens); its backward pass recomputes the stage forward. So a rank's activation memory is (stash slots) × (one
-microbatch's activation) + one stage's working set, and the stash size is the schedule's in-flight
-bound, which the table also fixes. Gradients are summed over microbatches in float32 order fixed by
-the table: exact up to summation order.
-
-The executor is a `lax.scan` over clocks inside `jax.shard_map` that is manual over `pp` only, so
-the other mesh axes (batch over dp/fsdp, heads over tp) stay automatic inside each stage.
+The model's depth is cut into S = pp × V stages (stage k on rank k mod pp) and a batch into M
+microbatches. Which rank does what in each clock is a static table made here by simulating the
+schedule (`build_schedule`); ranks pass activations forward and cotangents back with `lax.ppermute`
+over a ring. A rank stashes each in-flight microbatch's stage input and recomputes the stage forward
+in its backward pass; gradients are summed in float32 in the table's order. The executor is a
+`lax.scan` over clocks inside a `jax.shard_map` manual over `pp` only, so the other mesh axes stay
+automatic inside each stage. docs/pipeline.md, "The schedule executor", has the details.
 """
 
 from __future__ import annotations

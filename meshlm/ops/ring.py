@@ -1,45 +1,13 @@
 """RingAttention: exact attention over a sequence sharded across the `sp` mesh axis.
 
-The idea in one paragraph. Each of the sp devices on the ring holds one shard of the sequence:
-its queries and its keys/values. Queries never move. Keys and values (with their positions and
-segment ids) travel around the ring: at step i, device r holds the kv shard that started on
-device r - i, attends its queries to it with the blockwise kernel of `meshlm.ops.attention`,
-and folds the result into a running online softmax. After sp steps every query has seen every
-key, and the result is exactly full attention; no device ever holds more than two kv shards
-(the one it computes with and the one arriving) and no score matrix larger than one block.
-
-    step 0:  dev0 [q0|kv0]   dev1 [q1|kv1]   dev2 [q2|kv2]   dev3 [q3|kv3]
-    step 1:  dev0 [q0|kv3]   dev1 [q1|kv0]   dev2 [q2|kv1]   dev3 [q3|kv2]     kv: r -> r+1
-    ...
-
-Overlap. Each step first *issues* the `ppermute` that sends the current kv shard on to the next
-device, then computes with the current shard. The two are independent, so XLA may run the
-transfer while the block is being computed.
-
-Backward (a `custom_vjp`). The forward pass saves only its inputs, its output and one
-log-sum-exp per query (all O(T / sp) per device). The backward pass sends k, v around the ring
-again; with them travel dk, dv accumulators: every device adds the gradient contribution of its
-queries to the kv shard it is holding, and after a full turn each accumulator has collected all
-sp contributions and is sent one last hop home. dq stays local.
-
-Causal load balancing. With contiguous shards, device 0 holds the first tokens and has almost
-nothing to attend while device sp-1 attends to everything. `zigzag_permutation` reorders the
-sequence so device r holds chunks r and 2*sp-1-r of 2*sp equal chunks: every device then does
-the same amount of work at every step. The kernel relies only on the positions it is given, so
-any order works; it skips (query block, key block) pairs whose position ranges show that they
-are fully masked. Under zigzag the local shard is split into blocks no larger than one chunk,
-so exactly half of the off-diagonal blocks are skipped on every device.
-
-Memory per device is O(T / sp): the local q, k, v, output and their gradients, a second
-buffer for each of k, v, dk, dv (the one in flight: double buffering is what lets transfers
-overlap compute), and one [block_q, block_kv] score block per kv head group. The double
-buffers are the ring's price, larger with more kv heads; `tests/ops/test_ring.py` bounds the
-memory of an sp=4 ring against one device holding the whole sequence.
-
-Composition. `ring_attention` is called on global arrays under `jit`; it wraps the per-shard
-ring in `jax.shard_map` with the caller's partition specs, so batch and heads may be sharded
-over other mesh axes (dp, fsdp, tp) at the same time. Only `axis_name` is used for
-communication. Grouped-query attention rotates the KVH kv heads, never copies expanded to H.
+Queries stay; keys and values (with their positions and segment ids) travel around the ring, each
+step's `ppermute` issued before the block is computed so that transfers may overlap. Every step
+folds the arriving shard into a running online softmax with the blockwise kernel's
+`forward_chunk` (`meshlm.ops.attention`); the backward pass (a `custom_vjp`) sends k, v around
+again with dk, dv accumulators. `zigzag_permutation` balances causal work over the devices.
+Memory per device is O(T / sp). `ring_attention` runs on global arrays under `jit`, in a
+`jax.shard_map` with the caller's specs, so batch and heads may be sharded over other axes.
+docs/kernels.md, "RingAttention", explains the ring, its backward, zigzag and its memory.
 """
 
 from __future__ import annotations

@@ -1,55 +1,13 @@
 """The collectives of one train step on one mesh, predicted from the model's shapes, and their time.
 
-Bytes are payload bytes per device, the measure `meshlm.hlo` reads from compiled programs (the
-buffer a collective is about, unsharded over its group). Notation below: n tokens per device per
-micro-batch, E d_model, a / p bytes of an activation / parameter element, t = tp, s = sp,
-F = fsdp × sp (the axes that shard the weights' embed dimension), W one layer's weights in the
-device's tp shard.
-
-What XLA's SPMD partitioner emits for meshlm's model, per micro-batch:
-
-- fsdp (F > 1): every layer's weights and norm scales are all-gathered over F in the forward pass
-  and again in the backward pass (ZeRO-3: nothing gathered is kept); the gradients are
-  reduce-scattered over F (W·p), then the shard is all-reduced over dp. The embedding table is not
-  gathered: the token ids are (n·F int32, `meshlm.sharding.lookup`), each device looks up its own
-  columns of the table, and the rows go home by one all-to-all per axis of F (n·E·a each, forward and
-  backward); the table's gradient then needs summing over dp only, on the shard (table / F). The
-  output head is gathered once, plus once more in the backward pass when t > 1. Under gradient
-  accumulation the head's gathers do not depend on the micro-batch and XLA hoists them out of the
-  accumulation loop; everything else repeats per micro-batch, gradient reductions included.
-- tp (t > 1): the row-parallel projections (attention out, MLP down) all-reduce their [n, E]
-  output in the forward pass; in the backward pass the column-parallel ones all-reduce the gradient
-  of their input (3 for q/k/v, 2 for gate/up). The vocab-parallel embedding lookup, the output
-  head's input gradient and the softmax statistics (max, sum, target logit) add a few more.
-- sp (s > 1): RingAttention sends k, v around the ring s times forward; backward sends k, v, their
-  positions and segment ids and two float32 gradient accumulators s times, then the accumulators
-  one last hop. The forward pass sends positions and segment ids once per step (the same for every
-  layer, so XLA hoists them out of the layer loop).
-- gradients that are sums over tokens of a replicated weight (norm scales) are all-reduced over the
-  batch axes (dp × fsdp) and, separately, over sp.
-- remat: recomputing a layer repeats its forward all-reduce of the attention output (policies
-  `full` and `save_qkv_attn`) and its forward ring (policies `full` and `save_dots`, which keep no
-  attention output).
-
-The list above is XLA:CPU's program (and the model for GPUs, not checked against XLA:GPU). XLA:TPU
-(`backend='tpu'`, checked against libtpu's compiles by `bench/plan_tpu.py`, docs/plan.md) differs:
-
-- it casts the weights and the head to the compute dtype before it gathers them (a bytes, not p),
-  reduces the layer and embedding-table gradients in it (the head's stays p),
-  and gathers the output head once also when t > 1;
-- it adds the partial input gradients of q, k, v (and of gate, up) before one tp all-reduce of
-  [n, E] each, and sums norm-scale gradients over the batch axes and sp in one all-reduce;
-- from sequences of `TPU_REGATHER_FROM` tokens on (and always with the ring over sp) it gathers q's
-  and one kv projection's weights once more in the backward pass;
-- the ring's dk, dv accumulators go home in the compute dtype, and the recomputed forward ring
-  passes positions and segment ids again.
-
-A `reduce-scatter` here may appear in a CPU-compiled program as all-reduce + slice; its payload is
-the same, its wire time is not (see `wire_seconds`).
-
-The model is that of the `default` strategy's tables (`meshlm.strategy.presets`), the layout `meshlm
-plan` plans; docs/plan.md says what it covers. Meshes with pipeline stages: `meshlm.plan.pipeline`
-builds their collectives with this module's `Collectives`; the time functions below serve both.
+Bytes are payload bytes per device, the measure `meshlm.hlo` reads from compiled programs. The
+prediction follows what XLA's SPMD partitioner emits for the `default` strategy's tables, per
+micro-batch: fsdp's weight gathers and gradient reduce-scatters, tp's all-reduces, the sp ring's
+sends, the norm scales' sums, and what each `--remat` policy recomputes; XLA:TPU's differences
+(weights cast before the gather, fused tp reductions, regathers from `TPU_REGATHER_FROM` tokens)
+are modelled with `backend='tpu'`. `wire_seconds` turns payloads into time on the hardware's links.
+Meshes with pipeline stages: `meshlm.plan.pipeline` builds theirs with this module's `Collectives`.
+docs/plan.md, "The collectives model", lists every term and why.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """The operator table and the step-time model.
 
-Each large operator of a step is written in sharding notation, MaxText style: a dimension's letter
-with the mesh axes that split it as a subscript, e.g. on mesh dp=2, fsdp=4, tp=2
+Each large operator of a step is written in sharding notation, MaxText style, from the `default`
+strategy's tables, e.g. on mesh dp=2, fsdp=4, tp=2
 
     attn.out   B_dp,fsdp T H_tp D @ H_tp D E_fsdp = B_dp,fsdp T E  → all-reduce over tp
 
-(B batch, T length, E d_model, H / K query / kv heads, D head_dim, M MLP width, V vocab). The
-subscripts come from the `default` strategy's tables (`meshlm.strategy.presets`), the layout `meshlm
-plan` plans, so the notation is the layout the program really has.
-
-Arithmetic intensity of an operator and one of its links = FLOPs / bytes sent over that link,
-with bytes counted as MaxText's sharding guide does: the payload, twice for an all-reduce (two
-passes). The operator is communication-bound on that link when its intensity is below the
-hardware's: peak FLOP/s / link bytes/s. Example, the guide's worked case: a row-parallel matmul
-B M_x @ M_x E = B E, reduce-scattered over x, does 2·B·M_x·E FLOPs and sends 2·B·E bytes in
-bfloat16: intensity M_x, against 918e12 / 180e9 ≈ 5,100 on TPU v6e.
-
-Step time (a roofline with overlap):
-
-    compute   = matmul FLOPs / peak  +  HBM-bound work (norms, softmax, the optimizer) / HBM bandwidth
-    exposed   = tp all-reduces (the next matmul waits for them)
-              + max(0, fsdp / dp / ring traffic - compute)  (these overlap with computation)
-    step      = compute + exposed
-
-On simulated CPU devices collectives are copies on the same cores, so nothing overlaps there.
-
-The FLOPs and HBM traffic here are those of a mesh without pipeline stages; `meshlm.plan.pipeline`
-counts them per clock for pp > 1 and rates its rows with `rated_operators` and `step_time`.
+with its arithmetic intensity on each link (FLOPs / bytes sent). The step time is a roofline with
+overlap: compute (matmuls at peak, HBM-bound work at bandwidth) plus the exposed communication (tp
+all-reduces, and what fsdp, dp and ring traffic does not hide behind compute; nothing overlaps on
+simulated CPU devices). `meshlm.plan.pipeline` rates its per-clock rows with `rated_operators`.
+docs/plan.md, "The operator table and the step-time model", has the worked example.
 """
 
 from __future__ import annotations

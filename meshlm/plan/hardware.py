@@ -1,23 +1,10 @@
 """The hardware catalog: what one device can compute, hold and send.
 
 Every figure is per device (one GPU, one TPU chip) and in SI units: FLOP/s, bytes, bytes/s.
-
-Two interconnect domains matter for a mesh:
-
-- the *fast* domain: NVLink/NVSwitch inside a GPU server, ICI inside a TPU slice;
-- the *slow* domain: InfiniBand between GPU servers, the data-centre network (DCN) between slices.
-
-`fast_bandwidth` is what one device can push into a collective running along *one* mesh axis inside
-the fast domain, in one direction. On NVSwitch GPUs that is the GPU's whole NVLink bandwidth in one
-direction. On a TPU torus a mesh axis laid along one ICI axis with wrap-around is a bidirectional
-ring: two links of one-way bandwidth each (MaxText's sharding guide: "comm speed of 1 ICI axis is
-180 GB/s" on v6e, 2 × 90 GB/s). `slow_bandwidth` is one device's share of its host's NICs.
-
-Memory is budgeted as JAX gets it: a catalog entry states the datasheet's memory, and
-`resolve_hardware` keeps the share JAX's client takes of it: on GPUs 75% unless
-`XLA_CLIENT_MEM_FRACTION` (or `XLA_PYTHON_CLIENT_MEM_FRACTION`) says otherwise, all of it with
-`XLA_PYTHON_CLIENT_ALLOCATOR=platform` (`meshlm.platform.gpu_memory_fraction`); on TPUs and the CPU
-all of it.
+`fast_bandwidth` is what one device pushes into a collective along one mesh axis inside the fast
+domain (NVLink, ICI), one direction; `slow_bandwidth` is its share of the host's NICs (InfiniBand,
+DCN). `resolve_hardware` budgets memory as JAX's client gets it (on GPUs 75% unless the XLA client
+variables say otherwise). docs/plan.md, "The hardware catalog", says how the figures are read.
 """
 
 from __future__ import annotations
@@ -116,10 +103,10 @@ def _gpu(name, kind, hbm, hbm_bw, nvlink, ib, source, **measured) -> Hardware:
                     device_kind=kind, **measured)
 
 
-# Hopper (H100, H200), measured on an H200 (docs/kernels.md): `bench/accelerator.py`'s step, llama3-8b
-# layers at 8192 tokens per device, ran its matmuls (the operator table's 111.6 TFLOP) in 158.5 ms, 71%
-# of the datasheet's 989 TFLOP/s, and cuDNN's attention (13.2 TFLOP as the table counts it) in 35.3 ms,
-# 38%. The H100 has the same tensor cores and clocks; fewer rows per device are held at this figure.
+# Hopper (H100, H200): the fractions of peak `bench/accelerator.py`'s step (llama3-8b layers at 8192 tokens
+# per device) ran its matmuls and cuDNN's attention at on an H200 (docs/plan.md, "Where the hardware
+# numbers come from"). The H100 has the same tensor cores and clocks; fewer rows per device are held at
+# this figure.
 HOPPER = dict(matmul_rows=((8192, 0.712),), attention_efficiency=0.378)
 
 
@@ -130,12 +117,10 @@ def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source,
                     device_kind=kind)
 
 
-# On-chip memory for the step's temporaries (docs/plan.md, "Accuracy on TPU"). XLA:TPU's memory-space
-# assignment gets each TensorCore's VMEM less what it keeps for kernels' scratch: on v5e 112 MiB of
-# 128 MiB (the VMEM it allots: 111.0 to 112.0 MiB in the `small` and `1b` compiles, 107.2 with sp;
-# libtpu 0.0.50.1), and there it takes what the HBM peak would hold. On v5p (64 MiB of VMEM, 47 MiB allotted)
-# it does not lower the peak (`small` tp: 385.3 MB with the assignment, 388.4 MB without) and v6e's
-# (96 MiB allotted) lowers some meshes' peaks and not others' (not modelled); v4 is not measured.
+# On-chip memory for the step's temporaries: XLA:TPU's memory-space assignment gets each TensorCore's
+# VMEM less what it keeps for kernels' scratch, and on v5e it takes what the HBM peak would hold. On v5p
+# it does not lower the peak, on v6e only some meshes' (not modelled); v4 is not measured. The VMEM each
+# compile allots and the peaks with and without it: docs/plan.md, "Accuracy on TPU".
 V5E_ONCHIP = 112 * 2**20
 
 

@@ -1,50 +1,14 @@
 """Per-device memory of one train step on one mesh: the memory pie.
 
-    params + optimizer     exact (`meshlm.plan.state_bytes`): the train state, donated and updated in place
-    gradients              exact: one gradient per parameter, sharded like it
-    activations            what the backward pass keeps from the forward pass, for every layer
-    temporaries            everything live only for a while: logits and their gradient, the gathered
-                           embedding table and head, one layer's working set in the backward pass,
-                           fsdp-gathered weights, the input batch
+    params + optimizer, gradients   exact (`meshlm.plan.state_bytes`)
+    activations                     what the backward pass keeps, per `--remat` policy
+    temporaries                     what else is live at the step's peak (a fitted estimate)
 
-Activations. Per token and layer (elements; E d_model, Hl / Kl heads / kv heads on this device,
-D head_dim, Ml this device's MLP width, T the attention span of one query), what the compiled
-program of meshlm's layer stacks for the backward pass under each `--remat` policy:
-
-    none           6E + 6Ml + 2·Hl·D + 2·Kl·D (+ 2·Hl·T + 3·Hl for dense attention's scores) + 4
-    save_dots      2E + 2Ml + Hl·D + 2·Kl·D       (matmul outputs: q, k, v, attention out, gate, up)
-    save_attn      2E + 2·Hl·D + 2·Kl·D (+ lse)   (save_qkv_attn and the output projection's result)
-    save_qkv_attn  E + 2·Hl·D + 2·Kl·D (+ lse)    (the layer input, q, k, v, attention output)
-    full           E                               (the layer input only)
-
-where lse is the float32 log-sum-exp per query head that the blockwise and ring kernels keep for
-their backward (Hl float32 values; dense attention has none).
-
-Temporaries are what else is live at the peak. The compiled step peaks in one of two places, and
-the peak is the larger of the two:
-
-    forward    about where the backward pass starts: embedding table and head with their gradients,
-               the residual stream's buffers, one layer's working set, the gradients so far
-    backward   deep in the backward pass: the saved activations still to be read, fsdp-gathered
-               weights, the logits' gradient, the residual stream's buffers
-
-Each place is a sum of terms (sizes below), each with a coefficient: about how many buffers of that
-size XLA's buffer assignment holds there (a fit, so a coefficient below 1 means "partly live"). The
-coefficients were fitted once, by a linear program that minimises the worst relative error, to the
-compiled peak of (model, mesh, remat, batch, seq_len, grad_accum) cases on simulated CPU devices
-(docs/plan.md, "Accuracy", gives the cases and the errors; `bench/plan_accuracy.py` measures them).
-They describe XLA:CPU's schedule; other backends schedule differently, so treat the temporaries as an
-estimate and the state, gradients and activations as the firm part. Peak memory is the state plus the
-batch plus the larger place, the figure `compiled.memory_analysis()` gives as argument + output -
-alias + temp bytes.
-
-On-chip memory. Where the hardware's compiler keeps temporaries in on-chip memory instead of HBM
-(`Hardware.onchip_bytes`: TPU v5e's VMEM), each place holds up to that much less in HBM, and a third
-place, the loss, bounds the peak from below: what stays in HBM when the rest of the working set is on
-chip (see `onchip_eligible` and `LOSS_PLACE`).
-
-Meshes without pipeline stages only: `meshlm.plan.pipeline` estimates pp > 1 (on top of this module's
-terms), and `meshlm.plan.estimate` picks one or the other.
+The peak is the state plus the batch plus the larger of two places (forward end, deep backward),
+each a sum of terms with coefficients fitted to XLA:CPU's compiled peaks (`PLACES`, per compiler);
+on-chip memory (`Hardware.onchip_bytes`) lowers the HBM part, bounded below by `LOSS_PLACE`.
+Meshes without pipeline stages only: `meshlm.plan.pipeline` estimates pp > 1 on top of these terms.
+docs/plan.md, "The memory pie", has the per-token formulas, the places and how they were fitted.
 """
 
 from __future__ import annotations
@@ -126,8 +90,8 @@ def onchip_eligible(held: dict[str, int], exact: dict[str, int], shape: MeshShap
 # and the forward place less its on-chip share is larger. In `tiny` none of them is in HBM: the floor
 # stands for its residuals and heap slack, and is a fit (these two sizes bound them on every mesh).
 # Fitted by `python bench/plan_tpu.py --fit --hardware=tpu-v5e` to the 25 v5e compiles of the fit set (the
-# places above fixed, `onchip_bytes` measured): the smallest coefficients within 0.3% of the best worst
-# error; 9.3% over the fit set.
+# places above fixed, `onchip_bytes` measured): the smallest coefficients near the best worst error
+# (docs/plan.md, "Accuracy on TPU", gives the errors over the fit set).
 LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
 
 
@@ -141,9 +105,8 @@ LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
 #   start  every saved activation, the last layer's weight gradients and the head's (the loss makes it in
 #          the forward pass, `meshlm.models.loss`), beside the first layer's working set
 #   end    every gradient (the embedding's is made last), the first layer's activations, the working set
-# The working set keeps XLA:CPU's coefficients (the larger of its two places). On an H200 with llama3-8b's
-# layers (8 layers, 1 × 8192 tokens, docs/plan.md) this predicts 54.9 GB against 52.0 GB measured; the
-# scanned loop's model predicted 64.5 GB.
+# The working set keeps XLA:CPU's coefficients (the larger of its two places). docs/plan.md, "Where the
+# hardware numbers come from", compares the prediction with an H200's compiled peak.
 UNROLLED_WORKING_SET = {"stream": 11.71, "layer": 1.09, "weights": 3.28, "accum": 2.23}
 
 

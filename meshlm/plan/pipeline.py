@@ -2,39 +2,12 @@
 the stage-to-stage transfers; the estimator for meshes with pp > 1, built on the flat one's terms
 (`memory`, `comms`, `cost`, `state_bytes`), which know nothing of stages.
 
-What a pipelined train step (`meshlm.models.pipelined`, `meshlm.ops.pipeline`) really does, and so
-what is modelled here:
-
-- The schedule is the static table `meshlm.ops.pipeline.build_schedule` makes; its clocks, its
-  stash and cotangent buffers (`act_slots`, `cot_slots`) and its bubble are read from the table, not
-  from a second formula.
-- Stage k of S = pp·V holds layers k·L/S .. (k+1)·L/S − 1; rank r holds stages r, r + pp, ... so
-  L/pp layers' parameters, gradients and optimizer moments (exact, `meshlm.plan.state_bytes`: the
-  `layers` axis maps to pp). The embedding table, the final norm and the output head are replicated
-  over pp: every rank holds them, with their float32 gradient sums.
-- Every rank runs the same program: the first stage's embedding runs (recomputed) in every stage's
-  forward and backward clock, and the last stage's head and loss in every backward clock, on a trash
-  slot where the rank has nothing to do. So the first and last stages' extra work is paid by every
-  rank, in memory (the tables, gathered, and their gradients) and in time; per stage, only what a
-  rank keeps in flight differs, and since the buffers have one shape on every rank, each allocates
-  the busiest rank's stash.
-- A microbatch is B/M sequences; inside a stage its rows are split over dp × fsdp and its length
-  over sp, and tp splits heads, MLP width and vocabulary, as without a pipeline.
-- Each clock, a rank that runs a forward sends its output [B/M, T, E] to the next rank, and one
-  that runs a backward sends its input's cotangent to the previous one (`lax.ppermute` over pp,
-  ring). Every rank sends in such a clock, busy or not (trash slots travel too), so a step moves
-  (forward clocks + backward clocks) × B/M·T·E/(dp·fsdp·sp) × dtype bytes per device.
-
-Memory per device (the pie): parameters, gradients and optimizer states exact; activations are the
-stash (act_slots + 1 microbatch stage inputs, the last a trash slot), the residual stream's buffers
-and the working set one stage's backward keeps (all its layers' activations for one microbatch under
-`--remat=none`, per the policy otherwise); temporaries are the float32 gradient sums carried through
-the clocks, the gathered tables and layer weights and their gradients. Like `meshlm.plan.memory`,
-terms other than the stash have a coefficient fitted to XLA:CPU's buffer assignment (`COEFFS`; see
-docs/plan.md for the cases and the errors).
-
-The schedule flags and the checks of them are `meshlm.plan.job.PipelineFlags` and `pipeline_problem`;
-the readings of the schedule table, `meshlm.plan.schedule`.
+The schedule's clocks, stash and bubble are read from the static table of
+`meshlm.ops.pipeline.build_schedule`; every rank pays for the first stage's embedding and the last
+stage's head, holds the busiest rank's stash and sends in every clock. Terms other than the stash have
+coefficients fitted to XLA:CPU's buffer assignment (`COEFFS`). The schedule flags and their checks are
+`meshlm.plan.job.PipelineFlags` and `pipeline_problem`; the table's readings, `meshlm.plan.schedule`.
+docs/plan.md, "What the pipelined estimate models", has the details.
 """
 
 from __future__ import annotations
