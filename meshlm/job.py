@@ -125,12 +125,19 @@ def memory_compiler(device) -> str:
     return "gpu" if device.platform == "gpu" else compiler_for(device.device_kind)
 
 
-def plan_job(cfg: TrainConfig, model: ModelConfig, shape: MeshShape):
-    """This job as `meshlm plan` sees it (`meshlm.plan.job.Job`)."""
-    from meshlm.plan.job import Job as PlanJob, PipelineFlags
+def pipeline_flags(cfg: TrainConfig):
+    """The pipeline flags as the planner takes them (`meshlm.plan.job.PipelineFlags`)."""
+    from meshlm.plan.job import PipelineFlags
 
-    flags = PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
-    return PlanJob(model, cfg.batch_size, cfg.seq_len, shape.n_devices, cfg.grad_accum, flags)
+    return PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
+
+
+def plan_job(cfg: TrainConfig, model: ModelConfig, devices: MeshShape | int):
+    """This job as `meshlm plan` sees it (`meshlm.plan.job.Job`), on a mesh or a number of devices."""
+    from meshlm.plan.job import Job as PlanJob
+
+    n_devices = devices if isinstance(devices, int) else devices.n_devices
+    return PlanJob(model, cfg.batch_size, cfg.seq_len, n_devices, cfg.grad_accum, pipeline_flags(cfg))
 
 
 def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> str:

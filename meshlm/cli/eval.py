@@ -19,13 +19,11 @@ from meshlm.errors import UsageError
 def _parser() -> Parser:
     parser = Parser(prog="meshlm eval", description="Run lm-evaluation-harness tasks on a checkpoint, in this "
                                                     "process, on the mesh (docs/eval.md).")
-    add_model_flags(parser, max_batch=None)
-    meaning = {"--max_seq_len": "the context: the longest sequence scored, or prompt + generated tokens [default: "
-                                "the model's, at most 2048]",
-               "--max_batch": "generation engine slots, for tasks that generate; a multiple of dp×fsdp [default: "
-                              "--batch_size rounded up to one]"}
-    for action in parser._actions:  # what the shared model flags mean here
-        action.help = next((meaning[f] for f in action.option_strings if f in meaning), action.help)
+    add_model_flags(parser, max_batch=None, meaning={
+        "max_seq_len": "the context: the longest sequence scored, or prompt + generated tokens [default: the "
+                       "model's, at most 2048]",
+        "max_batch": "generation engine slots, for tasks that generate; a multiple of dp×fsdp [default: "
+                     "--batch_size rounded up to one]"})
     g = parser.add_argument_group("evaluation (lm-evaluation-harness)")
     g.add_argument("--tasks", required=True, metavar="A,B",
                    help="lm-eval task, group or tag names (globs too), task names from --include_path, or task "

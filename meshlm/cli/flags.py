@@ -49,15 +49,20 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
-def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None) -> None:
-    """A flag per field of `cls` (or only the fields named in `only`), with its help text and default."""
+def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None, defaults: dict | None = None,
+                        meaning: dict[str, str] | None = None) -> None:
+    """A flag per field of `cls` (or only the fields named in `only`), with its help text and default.
+    A command where a flag means something else passes its own `defaults` and help (`meaning`, taken
+    whole, its default written in it) by field name."""
     hints = typing.get_type_hints(cls)
+    defaults, meaning = defaults or {}, meaning or {}
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True) or (only is not None and f.name not in only):
             continue
         kind = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f.metadata.get("help", "") + (f" [default: {default}]" if default is not None and default is not False else "")
+        default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+        help_text = meaning.get(f.name) or f.metadata.get("help", "") + (
+            f" [default: {default}]" if default is not None and default is not False else "")
         if kind is bool:
             parser.add_argument(f"--{f.name}", action="store_true", help=help_text)
             continue

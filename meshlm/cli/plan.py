@@ -15,12 +15,14 @@ import json
 import sys
 
 from meshlm import config
-from meshlm.cli.flags import Parser, add_cluster_flags, add_dataclass_flags, split_model_overrides
+from meshlm.cli.flags import Parser, add_cluster_flags, add_dataclass_flags, split_model_overrides, train_config
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape
 
-# Flags of plan's own; every other flag is a TrainConfig field.
+# Flags of plan's own (--pp and --devices mean more here than in train); every other flag is a TrainConfig field.
 PLAN_FLAGS = ("pp", "optimizer", "hardware", "devices", "hosts", "devices_per_host", "top", "verify", "json", "png")
+MEANING = {"mesh_dim": "evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)",
+           "devices": "device count [default: 8, or hosts × devices_per_host]"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     add_dataclass_flags(job, config.PrecisionConfig)
     add_dataclass_flags(job, config.LoggingConfig, only=("peak_tflops",))
     job.add_argument("--optimizer", default="adamw", help="adamw (meshlm train's optimizer) [default: adamw]")
-    job.add_argument("--mesh_dim", help="evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)")
+    add_dataclass_flags(job, config.MeshConfig, only=("mesh_dim",), meaning=MEANING)
     pipe = p.add_argument_group("pipeline stages (as in meshlm train)")
     pipe.add_argument("--pp", default="1", help="pipeline stages, or auto: also plan every pp that divides the devices "
                                                 "and the layers [default: 1]")
@@ -41,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     add_cluster_flags(p, "for --verify, as in meshlm train")
     hw = p.add_argument_group("the devices")
     hw.add_argument("--hardware", default="h100", help=f"one of {', '.join(NAMES)} [default: h100]")
-    hw.add_argument("--devices", type=int, help="device count [default: 8, or hosts × devices_per_host]")
+    add_dataclass_flags(hw, config.MeshConfig, only=("devices",), meaning=MEANING)
     hw.add_argument("--hosts", type=int, help="servers (GPU) or TPU hosts; with --devices_per_host gives --devices")
     hw.add_argument("--devices_per_host", type=int, help="devices per host [default: the hardware's, 8 GPUs / 4-8 TPU chips]")
     out = p.add_argument_group("output")
@@ -52,12 +54,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pipeline(args) -> tuple:
+def _pipeline(args, cfg: config.TrainConfig) -> tuple:
     """The pipeline flags and --pp (None for auto), checked as `meshlm train` checks them."""
+    from meshlm.job import pipeline_flags
     from meshlm.ops.pipeline import check
-    from meshlm.plan.job import PipelineFlags
 
-    flags = PipelineFlags(args.pipeline_schedule, args.microbatches, args.virtual_stages)
+    flags = pipeline_flags(cfg)
     if args.pp == "auto":
         if args.mesh_dim:
             raise UsageError(f"--pp=auto searches the meshes, --mesh_dim={args.mesh_dim} names one; give --pp=N "
@@ -117,9 +119,9 @@ def run(argv: list[str]) -> int:
 
     raw = list(argv)
     argv, overrides = split_model_overrides(list(argv))
-    args = parser().parse_args(argv)
-    cfg = config.TrainConfig(**{k: v for k, v in vars(args).items() if k not in PLAN_FLAGS}, model_overrides=overrides)
-    cfg.validate()
+    flags = parser()
+    args = flags.parse_args(argv)
+    cfg = train_config(args, overrides, drop=PLAN_FLAGS, given=flags.given)
     if args.top <= 0:
         raise UsageError(f"--top={args.top} must be a positive integer")
     if args.verify < 0:
@@ -147,11 +149,10 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
     from meshlm.mesh import resolve_mesh_shape
     from meshlm.plan import report, search
     from meshlm.plan.hardware import resolve_hardware, with_peak
-    from meshlm.plan.job import Job
 
     cfg, _ = joblib.resolve_model(train_cfg, backend=key if key == "cpu" else "accelerator")
     dtype = cfg.dtype
-    flags, pp = _pipeline(args)
+    flags, pp = _pipeline(args, train_cfg)
     only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices, pp) if args.mesh_dim else None
     if only is not None:
         pp = only.pp  # --pp, or pp:N in the named --mesh_dim
@@ -163,7 +164,7 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
         joblib.check_mesh(train_cfg, only, cfg)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
     hw = with_peak(hw, args.peak_tflops)
-    job = Job(cfg, args.batch_size, args.seq_len, n_devices, args.grad_accum, flags)
+    job = joblib.plan_job(train_cfg, cfg, n_devices)
     pps = search.auto_pps(job) if pp is None else (pp,)
     plans, rejected = search.search(job, hw, only, pps)
 

@@ -19,7 +19,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from meshlm.cli.flags import Parser, add_cluster_flags
+from meshlm import config
+from meshlm.cli.flags import Parser, add_cluster_flags, add_dataclass_flags
 from meshlm.errors import UsageError
 from meshlm.serve.limits import MAX_LOGPROBS, MAX_QUEUE, MAX_REQUEST_TOKENS
 
@@ -27,9 +28,22 @@ CLUSTER_HELP = ("as for `meshlm train` (docs/distributed.md): process 0 takes th
                 "the others run the same steps")
 
 
-def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None, one_prompt: bool = False) -> None:
-    """The flags `generate` and `serve` share. `one_prompt` (generate): the cache and the prefill are
-    sized to the one prompt unless the flags say otherwise, and the help says so."""
+# --mesh_dim, --devices and --dtype are `meshlm train`'s (meshlm.config), with serving's default mesh and meaning.
+SERVING_MESH = "1,1,-1,1"
+SERVING_MEANING = {
+    "mesh_dim": f"dp,fsdp,tp,sp as in `meshlm train` [default: {SERVING_MESH}, tensor parallel over all devices]",
+    "devices": "simulate this many CPU devices",
+    "dtype": "compute and weight dtype: auto (float32 on CPU, bfloat16 on accelerators), float32, bfloat16, "
+             "float16 [default: auto]",
+}
+
+
+def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None, one_prompt: bool = False,
+                    meaning: dict[str, str] | None = None) -> None:
+    """The flags `generate`, `serve` and `eval` share. `one_prompt` (generate): the cache and the prefill
+    are sized to the one prompt unless the flags say otherwise, and the help says so. `meaning`: help
+    texts by flag name where the command gives a flag another meaning."""
+    meaning = {**SERVING_MEANING, **(meaning or {})}
     g = parser.add_argument_group("model and mesh")
     g.add_argument("--checkpoint", required=True, metavar="P",
                    help="a run's output_dir (or checkpoints/N), a `meshlm export`/`convert` folder, or a Hugging "
@@ -39,17 +53,15 @@ def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None, one_
                    help="a LoRA run's checkpoint is served as its base with the adapters merged in; the base model "
                         "folder, when it is no longer where the run recorded it (docs/lora.md)")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json to use instead of the one beside the weights")
-    g.add_argument("--mesh_dim", default="1,1,-1,1",
-                   help="dp,fsdp,tp,sp as in `meshlm train` [default: 1,1,-1,1, tensor parallel over all devices]")
-    g.add_argument("--devices", type=int, help="simulate this many CPU devices")
-    g.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on "
-                                                  "accelerators), float32, bfloat16, float16 [default: auto]")
-    g.add_argument("--max_seq_len", type=int, help="context length of the KV cache (prompt + generated tokens) "
-                   + ("[default: the prompt's tokens plus --max_tokens]" if one_prompt
-                      else "[default: the model's, at most 2048]"))
-    g.add_argument("--max_batch", type=int, default=max_batch,
-                   help="decode slots shared by concurrent requests, a multiple of dp×fsdp"
-                        + (f" [default: {max_batch}]" if max_batch else " [default: dp×fsdp]"))
+    add_dataclass_flags(g, config.MeshConfig, only=("mesh_dim", "devices"), defaults={"mesh_dim": SERVING_MESH},
+                        meaning=meaning)
+    add_dataclass_flags(g, config.PrecisionConfig, only=("dtype",), meaning=meaning)
+    g.add_argument("--max_seq_len", type=int, help=meaning.get("max_seq_len") or (
+        "context length of the KV cache (prompt + generated tokens) "
+        + ("[default: the prompt's tokens plus --max_tokens]" if one_prompt else "[default: the model's, at most 2048]")))
+    g.add_argument("--max_batch", type=int, default=max_batch, help=meaning.get("max_batch") or (
+        "decode slots shared by concurrent requests, a multiple of dp×fsdp"
+        + (f" [default: {max_batch}]" if max_batch else " [default: dp×fsdp]")))
     g.add_argument("--prefill_buckets", metavar="N,N,...",
                    help="prompt lengths that get a compiled prefill " + ("[default: the prompt's length]" if one_prompt
                                                                          else "[default: 32, 64, ... up to max_seq_len]"))
