@@ -84,7 +84,7 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
 def build_engine(hf_dir: Path, args):
     from meshlm.checkpoint.hf_folder import HFSource
     from meshlm.models.placement import place
-    from meshlm.serve.engine import Engine
+    from meshlm.serve.engine.batching import Engine
     from meshlm.serve.loading import LoadedModel
 
     mesh = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
@@ -105,8 +105,8 @@ def _bucket(n: int) -> int:
 
 def meshlm_decode(engine, rows: np.ndarray, new_tokens: int) -> float:
     """Decode tokens/s of one batch (every row prefilled first, then decoded together)."""
-    from meshlm.serve.engine import GenerationRequest
-    from meshlm.serve.sampling import SamplingParams
+    from meshlm.serve.engine.request import GenerationRequest
+    from meshlm.serve.engine.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     handles = [engine.submit(GenerationRequest(r.tolist(), new_tokens, greedy, ignore_eos=True)) for r in rows]
@@ -119,8 +119,8 @@ def meshlm_decode(engine, rows: np.ndarray, new_tokens: int) -> float:
 
 
 def meshlm_ttft(engine, prompt: np.ndarray) -> float:
-    from meshlm.serve.engine import GenerationRequest
-    from meshlm.serve.sampling import SamplingParams
+    from meshlm.serve.engine.request import GenerationRequest
+    from meshlm.serve.engine.sampling import SamplingParams
 
     h = engine.submit(GenerationRequest(prompt.tolist(), 1, SamplingParams(temperature=0.0), ignore_eos=True))
     for _ in h.iter_sync(timeout=600):

@@ -97,6 +97,41 @@ def test_no_import_cycle_between_packages():
     assert not found, "sub-packages importing each other: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+# Rooms of meshlm.serve on floors: a room imports only from rooms on floors below it (the package's own
+# modules, loading and lora_loading, are the room "meshlm.serve").
+SERVE_FLOORS = {"meshlm.serve.engine": 0, "meshlm.serve": 0, "meshlm.serve.api": 1}
+
+
+def _room(module: str, floors: dict[str, int]) -> str | None:
+    """The longest room name that is `module` or a package above it; None outside every room."""
+    rooms = [r for r in floors if module == r or module.startswith(r + ".")]
+    return max(rooms, key=len) if rooms else None
+
+
+def sideways_or_upward(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """Imports from one room into another on the same floor or a higher one."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        src = _room(module, floors)
+        for t in sorted(targets):
+            dst = _room(t, floors)
+            if src and dst and src != dst and floors[dst] >= floors[src]:
+                bad.append(f"{module} -> {t}")
+    return bad
+
+
+def test_the_floor_check_finds_an_upward_import():
+    graph = {"meshlm.serve.engine.batching": {"meshlm.serve.api.errors"}, "meshlm.serve.api.routes": {"meshlm.serve.engine.batching"},
+             "meshlm.serve.loading": {"meshlm.serve.engine.shapes"}}
+    assert sideways_or_upward(graph, SERVE_FLOORS) == ["meshlm.serve.engine.batching -> meshlm.serve.api.errors",
+                                                       "meshlm.serve.loading -> meshlm.serve.engine.shapes"]
+
+
+def test_serve_rooms_import_only_from_below():
+    found = sideways_or_upward(import_graph(), SERVE_FLOORS)
+    assert not found, "meshlm.serve: engine/ and loading stand apart, api/ above them: " + "; ".join(found)
+
+
 def test_only_the_cli_parses_flags():
     users = sorted(name for name, path in ((_module_name(p), p) for p in ROOT.rglob("*.py"))
                    if "argparse" in {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import)

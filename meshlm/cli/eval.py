@@ -92,7 +92,7 @@ def _evaluate(args, manager, tasks: list[str]) -> int:
 
     from meshlm.eval.harness import run_tasks, summary_table, write_results
     from meshlm.eval.lm import MeshLM
-    from meshlm.serve.shapes import plan_shapes
+    from meshlm.serve.engine.shapes import plan_shapes
 
     err, out = Console(stderr=True), Console()
     if not out.is_terminal:  # a file or a pipe: whole names and numbers, however wide the table

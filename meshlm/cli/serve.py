@@ -4,10 +4,10 @@ meshlm.job.resolve_serving), then stream text or serve HTTP (meshlm.serve).
 Across several processes (the cluster flags of `meshlm train`, or a cluster's environment) every
 process loads its shards of the weights and compiles the same engine; process 0 takes the prompt or
 the HTTP requests, schedules every step and publishes it, the others run the steps it publishes
-(meshlm/serve/multihost.py). Each process runs under the supervisor and watchdog of
+(meshlm/serve/engine/multihost.py). Each process runs under the supervisor and watchdog of
 meshlm/distributed.py, as training does.
 
-Warm-up (meshlm/serve/warmup.py) shows a progress bar on process 0: `generate` compiles every shape
+Warm-up (meshlm/serve/engine/warmup.py) shows a progress bar on process 0: `generate` compiles every shape
 first; `serve` compiles the most needed ones, starts answering, and compiles the rest in the background.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from meshlm import config
 from meshlm.cli.flags import Parser, add_cluster_flags, add_dataclass_flags
 from meshlm.errors import UsageError
-from meshlm.serve.limits import MAX_LOGPROBS, MAX_QUEUE, MAX_REQUEST_TOKENS
+from meshlm.serve.engine.limits import MAX_LOGPROBS, MAX_QUEUE, MAX_REQUEST_TOKENS
 
 CLUSTER_HELP = ("as for `meshlm train` (docs/distributed.md): process 0 takes the work and schedules every step, "
                 "the others run the same steps")
@@ -122,11 +122,11 @@ def load(args, console):
 
 def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, first=None, warm_scorer=True, **limits):
     """The engine, compiled (in every process) but not started: process 0 starts it, the others follow
-    it. `first`: compile only that many shapes, the most needed first (meshlm/serve/warmup.py), and
+    it. `first`: compile only that many shapes, the most needed first (meshlm/serve/engine/warmup.py), and
     return the progress bar for the rest (None elsewhere than on the main process)."""
-    from meshlm.serve import multihost
-    from meshlm.serve.engine import Engine
-    from meshlm.serve.warmup import WarmupProgress
+    from meshlm.serve.engine import multihost
+    from meshlm.serve.engine.batching import Engine
+    from meshlm.serve.engine.warmup import WarmupProgress
 
     if args.prefill_buckets:
         try:
@@ -151,8 +151,8 @@ def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, fi
 def generate(argv: list[str]) -> int:
     from rich.console import Console
 
-    from meshlm.serve.engine import GenerationRequest
-    from meshlm.serve.sampling import SamplingParams
+    from meshlm.serve.engine.request import GenerationRequest
+    from meshlm.serve.engine.sampling import SamplingParams
 
     parser = Parser(prog="meshlm generate", description="Stream a completion of one prompt to the terminal.")
     add_model_flags(parser, max_batch=None, one_prompt=True)
@@ -176,7 +176,7 @@ def generate(argv: list[str]) -> int:
     def work(main: bool) -> int:
         import jax
 
-        from meshlm.serve import multihost
+        from meshlm.serve.engine import multihost
 
         if jax.process_count() > 1:
             _stdout_for_text_only()
@@ -274,8 +274,9 @@ def serve(argv: list[str]) -> int:
     check_host(args.host)
 
     def work(main: bool) -> int:
-        from meshlm.serve.api import bind, serve as run_server
-        from meshlm.serve.warmup import FIRST
+        from meshlm.serve.api.server import bind
+        from meshlm.serve.api.server import serve as run_server
+        from meshlm.serve.engine.warmup import FIRST
 
         console = Console(stderr=True, quiet=not main)
         sock = bind(args.host, args.port) if main else None  # before minutes of loading and compiling

@@ -1,5 +1,5 @@
 """Chat messages to one prompt string, through a Jinja chat template: the one renderer that serving
-(`meshlm.serve.chat`) and chat fine-tuning data (`meshlm.data.chat`) share.
+(`meshlm.serve.api`) and chat fine-tuning data (`meshlm.data.chat`) share.
 
 A Hugging Face model folder says how its model was trained to see a conversation: a Jinja template
 (`template_beside` finds it beside a tokenizer.json; `meshlm.serve.loading.read_chat_template` in a

@@ -156,7 +156,7 @@ class MeshLM(TemplateLM):
     def scorer(self):
         """The scorer over the model's weights, or over the engine's once there is one."""
         if self._scorer is None:
-            from meshlm.serve.scoring import Scorer
+            from meshlm.serve.engine.scoring import Scorer
 
             self._scorer = Scorer.from_model(self.model, max_len=self.context, max_batch=self.batch_size)
         return self._scorer
@@ -166,7 +166,7 @@ class MeshLM(TemplateLM):
         onto its copy of them."""
         if self.engine is None:
             from meshlm import sharding
-            from meshlm.serve.engine import Engine
+            from meshlm.serve.engine.batching import Engine
 
             data = sharding.data_parallel_size(self.model.placement.mesh, self.model.placement.strategy)
             slots = self.engine_batch or -(-self.batch_size // data) * data

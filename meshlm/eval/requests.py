@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from meshlm.serve.request import GenerationRequest
-from meshlm.serve.sampling import SamplingParams
+from meshlm.serve.engine.request import GenerationRequest
+from meshlm.serve.engine.sampling import SamplingParams
 
 
 def scoring_sequence(context: Sequence[int], continuation: Sequence[int], max_length: int) -> tuple[list[int], int]:

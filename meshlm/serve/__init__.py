@@ -1,1 +1,1 @@
-"""Serving: the generation engine (KV cache on the mesh, continuous batching), sampling, loading, HTTP API."""
+"""Serving: the generation engine (engine/), the HTTP API (api/), and loading a model for them (loading)."""

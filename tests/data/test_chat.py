@@ -18,9 +18,12 @@ from meshlm.data.chat import (
     pack_conversations,
     tokenize_chat,
 )
-from meshlm.data.chat_template import CHATML_TEMPLATE, resolve_chat_template
+from meshlm.data.chat_template import (
+    CHATML_TEMPLATE,
+    ChatTemplate,  # what `meshlm serve` renders a chat request with
+    resolve_chat_template,
+)
 from meshlm.errors import UsageError
-from meshlm.serve.chat import ChatTemplate  # what `meshlm serve` renders a chat request with
 
 SHIPPED = Path(__file__).parents[2] / "examples" / "chat_small.jsonl"
 CONVERSATION = [

@@ -45,8 +45,8 @@ def via_server(checkpoint, tasks):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from meshlm.serve.api import create_app
-    from meshlm.serve.engine import Engine
+    from meshlm.serve.api.routes import create_app
+    from meshlm.serve.engine.batching import Engine
     from meshlm.serve.loading import load_model
     from tests.serve.conftest import live_server
 

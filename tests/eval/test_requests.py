@@ -3,9 +3,15 @@
 import numpy as np
 import pytest
 
-from meshlm.eval.requests import (continuation_score, generation_request, length_batches, sampling_params,
-                                  scoring_sequence, stop_strings)
-from meshlm.serve.scoring import Scores
+from meshlm.eval.requests import (
+    continuation_score,
+    generation_request,
+    length_batches,
+    sampling_params,
+    scoring_sequence,
+    stop_strings,
+)
+from meshlm.serve.engine.scoring import Scores
 
 
 def test_scoring_sequence_cuts_the_context_from_the_left_only():

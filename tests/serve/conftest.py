@@ -17,8 +17,9 @@ import pytest
 from meshlm import mesh as meshlib
 from meshlm.data.tokenizer import train_tokenizer
 from meshlm.models.configs import resolve_model
-from meshlm.serve.api import create_app, make_server
-from meshlm.serve.engine import Engine
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.api.server import make_server
+from meshlm.serve.engine.batching import Engine
 from meshlm.serve.loading import random_model
 
 MAX_SEQ_LEN = 256

@@ -4,18 +4,22 @@ concurrent streams, API keys, body limits and clients that hang up."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import socket
 import threading
 import time
+import tomllib
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from meshlm.data.chat_template import ChatTemplate, ChatTemplateError
 from meshlm.errors import UsageError
-from meshlm.serve.api import bind, create_app
-from meshlm.serve.chat import ChatTemplate, ChatTemplateError
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.api.server import bind
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +282,15 @@ def test_api_key(keyed_server, engine, api_key):
     assert good.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
     assert httpx.get(f"{keyed_server}/health").status_code == 200  # the page and health checks stay open
     assert httpx.get(f"{keyed_server}/").status_code == 200
+
+
+def test_the_chat_page_files_are_served_and_packaged(http):
+    for path in ("/", "/static/chat.js", "/static/chat.css"):
+        assert http.get(path).status_code == 200, path
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    for package, patterns in pyproject["tool"]["setuptools"]["package-data"].items():
+        folder = Path(importlib.import_module(package).__file__).parent
+        assert all(list(folder.glob(p)) for p in patterns), f"package-data of {package}: nothing matches {patterns}"
 
 
 def test_huge_body_is_413(http):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshlm.serve.sampling import seed_key
+from meshlm.serve.engine.sampling import seed_key
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 
-from meshlm.serve.api import create_app, make_server
-from meshlm.serve.text import IncrementalText, StopMatcher
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.api.server import make_server
+from meshlm.serve.engine.text import IncrementalText, StopMatcher
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,11 @@ import pytest
 from meshlm import mesh as meshlib
 from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
-from meshlm.serve.engine import Engine, GenerationRequest
-from meshlm.serve.shapes import length_buckets
+from meshlm.serve.engine.batching import Engine
+from meshlm.serve.engine.request import GenerationRequest
+from meshlm.serve.engine.sampling import SamplingParams
+from meshlm.serve.engine.shapes import length_buckets
 from meshlm.serve.loading import LoadedModel
-from meshlm.serve.sampling import SamplingParams
 
 CFG = resolve_model("test").replace(dtype="float32", param_dtype="float32", n_kv_heads=4)
 NEW_TOKENS = 32

@@ -7,9 +7,10 @@ import pytest
 
 from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
-from meshlm.serve.engine import Engine, GenerationRequest
+from meshlm.serve.engine.batching import Engine
+from meshlm.serve.engine.request import GenerationRequest
+from meshlm.serve.engine.sampling import SamplingParams
 from meshlm.serve.loading import LoadedModel
-from meshlm.serve.sampling import SamplingParams
 from tests.serve.test_engine import _Ids, _mesh
 
 CFG = resolve_model("test").replace(dtype="float32", param_dtype="float32", n_heads=8, n_kv_heads=2)

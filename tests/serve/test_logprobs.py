@@ -14,10 +14,10 @@ import pytest
 from meshlm.checkpoint.weights import load_params, read_model_config
 from meshlm.data.tokenizer import train_tokenizer
 from meshlm.models.placement import place
-from meshlm.serve.api import create_app
-from meshlm.serve.engine import Engine
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.engine.batching import Engine
+from meshlm.serve.engine.scoring import Scorer
 from meshlm.serve.loading import LoadedModel
-from meshlm.serve.scoring import Scorer
 from tests.support.hf import mesh_of, small_hf_config, torch_llama, torch_logits
 
 VOCAB = 512

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from meshlm import mesh as meshlib
-from meshlm.serve import multihost
-from meshlm.serve.sampling import SamplingParams, SlotSampling
+from meshlm.serve.engine import multihost
+from meshlm.serve.engine.sampling import SamplingParams, SlotSampling
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "def main("

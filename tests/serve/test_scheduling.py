@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from meshlm.serve.api import create_app
-from meshlm.serve.request import GenerationRequest
-from meshlm.serve.sampling import SamplingParams
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.engine.request import GenerationRequest
+from meshlm.serve.engine.sampling import SamplingParams
 
 SECONDS_PER_TOKEN = 4e-4  # what a scoring forward costs on the simulated device, per padded token
 
@@ -162,7 +162,7 @@ def test_batch_limit_and_full_queue(http, engine, monkeypatch):
 
 def test_limit_flags_are_checked_and_documented(capsys):
     from meshlm.cli import main
-    from meshlm.serve.limits import MAX_QUEUE
+    from meshlm.serve.engine.limits import MAX_QUEUE
 
     for flag in ("--max_queue=0", "--max_request_tokens=-1", "--max_logprobs=0"):
         assert main(["serve", "--checkpoint=x", flag]) == 2

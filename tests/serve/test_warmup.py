@@ -10,11 +10,11 @@ import httpx
 import pytest
 from rich.console import Console
 
-from meshlm.serve.api import create_app
-from meshlm.serve.engine import GenerationRequest
-from meshlm.serve.sampling import SamplingParams
-from meshlm.serve.shapes import plan_shapes
-from meshlm.serve.warmup import FIRST, WarmupProgress, plan
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.engine.request import GenerationRequest
+from meshlm.serve.engine.sampling import SamplingParams
+from meshlm.serve.engine.shapes import plan_shapes
+from meshlm.serve.engine.warmup import FIRST, WarmupProgress, plan
 from tests.serve.conftest import make_engine
 
 SMALL = dict(max_batch=4, max_seq_len=64, prefill_buckets=(16, 32))  # 2 prefill, 2 decode, 1 scorer shape
@@ -109,7 +109,7 @@ def test_serving_while_the_rest_compile_in_the_background(serve_app):
 
 def test_timeout_flags_are_checked_and_default_to_the_servers(capsys):
     from meshlm.cli import main
-    from meshlm.serve.api_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+    from meshlm.serve.api.timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 
     for flag in ("--header_timeout=0", "--body_timeout=-1"):
         assert main(["serve", "--checkpoint=x", flag]) == 2

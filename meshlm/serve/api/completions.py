@@ -24,13 +24,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from meshlm.serve import api_replies as replies
-from meshlm.serve.api_errors import APIError, engine_failure
-from meshlm.serve.api_logprobs import chat_logprobs, completion_logprobs
-from meshlm.serve.api_prompts import check_fits, check_token_ids, prepare, tokenize
-from meshlm.serve.api_schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from meshlm.serve.chat import ChatTemplate, ChatTemplateError
-from meshlm.serve.limits import QueueFull
+from meshlm.data.chat_template import ChatTemplate, ChatTemplateError
+from meshlm.serve.api import replies
+from meshlm.serve.api.errors import APIError, engine_failure
+from meshlm.serve.api.logprobs import chat_logprobs, completion_logprobs
+from meshlm.serve.api.prompts import check_fits, check_token_ids, prepare, tokenize
+from meshlm.serve.api.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from meshlm.serve.engine.limits import QueueFull
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 

@@ -13,15 +13,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      field_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from meshlm.serve.sampling import SEED_RANGE
+from meshlm.serve.engine.sampling import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 256  # prompts in one completions request
-MAX_TOP = 20  # alternatives per position (logprobs, top_logprobs); meshlm.serve.scoring.MAX_TOP
+MAX_TOP = 20  # alternatives per position (logprobs, top_logprobs); meshlm.serve.engine.scoring.MAX_TOP
 
 
 def _or(default: Any) -> BeforeValidator:

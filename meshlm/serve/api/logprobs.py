@@ -1,4 +1,4 @@
-"""Log-probabilities in OpenAI's shapes, from `meshlm.serve.scoring.Scores`.
+"""Log-probabilities in OpenAI's shapes, from `meshlm.serve.engine.scoring.Scores`.
 
 Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one entry
 per token shown (the prompt's too with `echo`). A token is its own text, decoded alone; an entry of
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshlm.serve.scoring import Scores
-from meshlm.serve.text import IncrementalText
+from meshlm.serve.engine.scoring import Scores
+from meshlm.serve.engine.text import IncrementalText
 
 
 def token_text(tokenizer: Any, token: int) -> str:

@@ -7,42 +7,12 @@
     for event in handle.iter_sync():                  # or: async for event in handle
         print(event.text, end="")
 
-How it runs. The engine owns `max_batch` slots. Each slot is a row of the KV cache (one buffer per
-layer, [B, S, K, D] laid out (batch, cache_length, kv_heads, head_dim) by the model's strategy) plus
-its row of small per-slot arrays (next token, position, sampling settings): meshlm/serve/steps.py.
-A loop on its own thread (this module) repeats:
-
-  1. admit: waiting requests take free slots, fairly between submissions (meshlm/serve/queue.py:
-     a batch of many prompts cannot keep a prompt submitted after it waiting for the whole batch).
-     Their prompts, right-padded to the smallest length bucket that holds them, run through the
-     model in one prefill (RingAttention when the strategy splits the sequence), which writes their
-     keys and values into their cache rows and samples each first token.
-  2. decode: one jitted, donated step advances the busy slots by one token. It runs the smallest
-     compiled number of rows that holds them and attends only the cache prefix their tokens fill
-     (meshlm/serve/shapes.py).
-  3. deliver: the previous step's tokens come to the host (the next step is already queued on the
-     device, so the host's work overlaps the device's), become text, and finished requests free
-     their slots for step 1.
-  4. score: one chunk of the log-probability requests (`submit_scores`; meshlm/serve/scoring.py),
-     a forward over at most `score_chunk_tokens` padded tokens, the requests taking turns. A long
-     scoring request thus delays each decode step by one chunk, never by all of it, and a cancelled
-     one (its client hung up) stops before its next chunk.
-
-At most `max_queue` prompts and sequences to score wait (None: no limit): `submit` past that raises
-`QueueFull`. `max_request_tokens` and `max_logprobs` are limits the HTTP API checks (meshlm/serve/limits.py).
-
-Compiled shapes: a prefill per prompt-length bucket and a decode step per (rows, cache prefix)
-bucket, all compiled by `start()`, so traffic never compiles (`compiled_shapes()` lets tests check);
-also the smallest bucket of the log-probability Scorer. `warmup(progress, count=k)` compiles them in
-the order of meshlm/serve/warmup.py (the most needed first), reporting each; `start(background=True)`
-leaves the rest to the loop, which compiles the next one whenever it has no request to run. Until
-then a request whose shape is not compiled yet compiles it on the spot (it waits that long); once
-every shape is compiled nothing compiles again.
-
-Several processes (`link=`, see meshlm/serve/multihost.py): process 0 runs the loop above and
-publishes each step's host inputs before it runs the step; every other process builds the same
-engine, compiles the same shapes and calls `follow()`, which runs the published steps in order until
-process 0's `stop()`. Only process 0 takes requests and reads tokens.
+The engine owns `max_batch` slots (rows of the KV cache, meshlm/serve/engine/steps.py); a loop on
+its own thread admits waiting requests into free slots (one prefill), advances the busy slots by one
+decode step, delivers the previous step's tokens as text and runs one chunk of log-probability
+requests, again and again. At most `max_queue` prompts wait (`submit` past that raises `QueueFull`).
+How it runs, compiles its shapes and follows process 0 across processes: docs/serve.md, "Inside the
+server".
 """
 
 from __future__ import annotations
@@ -60,14 +30,14 @@ import jax
 import numpy as np
 
 from meshlm import sharding
-from meshlm.serve.limits import MAX_LOGPROBS, MAX_REQUEST_TOKENS, SCORE_CHUNK_TOKENS, QueueFull
-from meshlm.serve.queue import WorkQueue
-from meshlm.serve.request import Event, GenerationRequest, RequestHandle, ScoreHandle
-from meshlm.serve.sampling import SamplingParams, SlotSampling
-from meshlm.serve.shapes import plan_shapes
-from meshlm.serve.steps import Steps
-from meshlm.serve.text import IncrementalText, StopMatcher
-from meshlm.serve.warmup import plan, run_padding
+from meshlm.serve.engine.limits import MAX_LOGPROBS, MAX_REQUEST_TOKENS, SCORE_CHUNK_TOKENS, QueueFull
+from meshlm.serve.engine.queue import WorkQueue
+from meshlm.serve.engine.request import Event, GenerationRequest, RequestHandle, ScoreHandle
+from meshlm.serve.engine.sampling import SamplingParams, SlotSampling
+from meshlm.serve.engine.shapes import plan_shapes
+from meshlm.serve.engine.steps import Steps
+from meshlm.serve.engine.text import IncrementalText, StopMatcher
+from meshlm.serve.engine.warmup import plan, run_padding
 
 log = logging.getLogger("meshlm.serve")
 
@@ -127,13 +97,13 @@ class Engine:
         return self.steps.compiled_shapes()
 
     def scorer(self):
-        """The `meshlm.serve.scoring.Scorer` over this engine's weights (made on first use, then shared).
+        """The `meshlm.serve.engine.scoring.Scorer` over this engine's weights (made on first use, then shared).
         ValueError across several processes: the others would not run its forward."""
         if self._link is not None:
             raise ValueError("log-probabilities are not available when serving across several processes")
         with self._wake:
             if self._scorer is None:
-                from meshlm.serve.scoring import Scorer
+                from meshlm.serve.engine.scoring import Scorer
 
                 self._scorer = Scorer.from_engine(self)
             return self._scorer
@@ -162,7 +132,7 @@ class Engine:
 
     def submit_batch(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
         """Queue requests together (all or, QueueFull, none): they share slots fairly with other
-        submissions, as one submission (see the module's docstring)."""
+        submissions, as one submission (meshlm/serve/engine/queue.py)."""
         for request in requests:
             self.check(request)
         ids = [next(self._ids) for _ in requests]
@@ -175,7 +145,7 @@ class Engine:
         return handles
 
     def submit_scores(self, sequences: list[list[int]], top: int = 0, *, queue: bool = True) -> ScoreHandle:
-        """Queue token sequences to score (meshlm.serve.scoring.Scorer.score's arguments); the loop
+        """Queue token sequences to score (meshlm.serve.engine.scoring.Scorer.score's arguments); the loop
         scores them a chunk at a time between decode steps. ValueError for sequences the Scorer cannot
         take; QueueFull as for `submit`, unless `queue` is False (work that must finish, such as the
         log-probabilities of a reply already generated)."""
@@ -195,7 +165,7 @@ class Engine:
         ids = self.tokenizer.encode(prompt)
         return self.submit(GenerationRequest(ids, max_tokens, SamplingParams(**sampling))).result()[0]
 
-    def start(self, warmup: bool = True, *, background: bool = False, progress=None) -> "Engine":
+    def start(self, warmup: bool = True, *, background: bool = False, progress=None) -> Engine:
         """Start the loop. `warmup`: compile every shape first. `background`: start at once and let the
         loop compile the shapes still missing while it is idle (`progress` as for `warmup`)."""
         if warmup and not background:
@@ -220,7 +190,7 @@ class Engine:
     def follow(self) -> None:
         """Process k > 0 of several: run the steps process 0 publishes, in order, until it stops.
         SIGINT/SIGTERM here wait for process 0's stop (multihost.signals_wait_for_leader)."""
-        from meshlm.serve.multihost import signals_wait_for_leader
+        from meshlm.serve.engine.multihost import signals_wait_for_leader
 
         with signals_wait_for_leader(self._link):
             self._follow()
@@ -239,7 +209,7 @@ class Engine:
                 self.stats["decode_steps"] += 1
 
     def warmup(self, progress=None, *, count: int | None = None) -> float:
-        """Compile the shapes not compiled yet, the most needed first (meshlm/serve/warmup.py): all of
+        """Compile the shapes not compiled yet, the most needed first (meshlm/serve/engine/warmup.py): all of
         them, or the next `count`. Runs padding rows only, so no slot changes. `progress(done, total,
         compiling)` is called before each shape and once after the last. Before `start()` only. Seconds taken."""
         t0 = time.perf_counter()
@@ -257,7 +227,7 @@ class Engine:
         return len(self._compiled), len(self._plan)
 
     def uncompiled(self) -> list[tuple]:
-        """The shapes still to compile, in the order they will be (meshlm/serve/warmup.py)."""
+        """The shapes still to compile, in the order they will be (meshlm/serve/engine/warmup.py)."""
         return [s for s in self._plan if s not in self._compiled]
 
     def _compile(self, shape: tuple, progress, publish: bool) -> None:
@@ -295,7 +265,7 @@ class Engine:
         pending = None  # (tokens on device, owner of each slot when that step was dispatched)
         while True:
             with self._wake:
-                idle = lambda: not self.queue and pending is None and not any(self._slots)  # noqa: E731
+                idle = lambda: not self.queue and pending is None and not any(self._slots)  # noqa: E731, B023  (called in this iteration only)
                 while not self._stopping and idle() and not (self._background and self.uncompiled()):
                     self._wake.wait()
                 if self._stopping:
@@ -426,7 +396,7 @@ class Engine:
 
         Text that could be the start of a stop string is held back until it is known not to be one,
         and sent when the reply ends. The work per token is proportional to its own text
-        (meshlm/serve/text.py), whatever the length of the reply or of the stop strings."""
+        (meshlm/serve/engine/text.py), whatever the length of the reply or of the stop strings."""
         req = h.request
         if token == self.eos_id and not req.ignore_eos:
             self._end(h, "stop", None)

@@ -22,9 +22,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from meshlm.errors import UsageError
-from meshlm.serve.api_routes import create_app
-from meshlm.serve.api_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_protocol
-from meshlm.serve.engine import Engine
+from meshlm.serve.api.routes import create_app
+from meshlm.serve.api.timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, timed_protocol
+from meshlm.serve.engine.batching import Engine
 
 log = logging.getLogger("meshlm.serve.api")
 
@@ -80,7 +80,7 @@ def make_server(app: FastAPI, *, grace_s: float = 5.0, header_timeout_s: float =
     connections, lets open replies run for `grace_s` seconds, then ends them with 503 "shutting down".
     A connection that sends no complete request head within `header_timeout_s` (idle, or headers
     trickling in) or no complete body within `body_timeout_s` of its head is closed
-    (meshlm/serve/api_timeouts.py); a kept-alive connection idle for 5 s after a reply too.
+    (meshlm/serve/api/timeouts.py); a kept-alive connection idle for 5 s after a reply too.
     """
     # uvicorn's own cut-off is only a backstop: ended replies close within a decode step.
     config.setdefault("http", timed_protocol(header_timeout_s, body_timeout_s))

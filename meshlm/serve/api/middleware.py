@@ -11,8 +11,7 @@ import hmac
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshlm.serve.api_errors import APIError
-
+from meshlm.serve.api.errors import APIError
 
 OPEN_PATHS = ("/", "/health")  # with what is under /static/: the chat page asks for the key itself
 

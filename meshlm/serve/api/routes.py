@@ -1,8 +1,8 @@
 """The HTTP API's app: its routes, how a validated body becomes an engine request, its error handlers.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (their work: meshlm/serve/api_completions.py),
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (their work: meshlm/serve/api/completions.py),
 `GET /v1/models`, `GET /v1/models/{id}`, `GET`/`HEAD /health`, and the chat page at `/` (files under
-meshlm/serve/static). Before a request reaches the engine, the model name is checked and prompt +
+meshlm/serve/api/static). Before a request reaches the engine, the model name is checked and prompt +
 max_tokens must fit in the context.
 """
 
@@ -18,14 +18,14 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshlm.serve import api_completions
-from meshlm.serve.api_docs import add_docs
-from meshlm.serve.api_errors import APIError, http_error, server_error, validation_error
-from meshlm.serve.api_middleware import LimitBody, RequireApiKey
-from meshlm.serve.api_schemas import ChatCompletionBody, CompletionBody
-from meshlm.serve.chat import ChatTemplate
-from meshlm.serve.engine import Engine
-from meshlm.serve.request import RequestHandle
+from meshlm.data.chat_template import ChatTemplate
+from meshlm.serve.api import completions as generation
+from meshlm.serve.api.docs import add_docs
+from meshlm.serve.api.errors import APIError, http_error, server_error, validation_error
+from meshlm.serve.api.middleware import LimitBody, RequireApiKey
+from meshlm.serve.api.schemas import ChatCompletionBody, CompletionBody
+from meshlm.serve.engine.batching import Engine
+from meshlm.serve.engine.request import RequestHandle
 
 STATIC_DIR = Path(__file__).parent / "static"
 
@@ -98,11 +98,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        return await api_completions.completions(engine, body, request, open_requests)
+        return await generation.completions(engine, body, request, open_requests)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
-        return await api_completions.chat_completions(engine, template, body, request, open_requests)
+        return await generation.chat_completions(engine, template, body, request, open_requests)
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> FileResponse:

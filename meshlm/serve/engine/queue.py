@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections
 
-from meshlm.serve.limits import QueueFull
-from meshlm.serve.request import RequestHandle, ScoreHandle
+from meshlm.serve.engine.limits import QueueFull
+from meshlm.serve.engine.request import RequestHandle, ScoreHandle
 
 
 class WorkQueue:

@@ -20,7 +20,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from meshlm.serve.api_errors import APIError
+from meshlm.serve.api.errors import APIError
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0

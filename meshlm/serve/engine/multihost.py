@@ -1,20 +1,11 @@
 """Serving across processes: process 0 decides every engine step, the others repeat it.
 
-In a multi-controller JAX program every process must run the same jitted computations, in the same
-order, with the same global inputs. So one process schedules: process 0 runs the HTTP server and the
-engine's loop, and before it runs a step (a prefill of these prompts into these slots with these
-sampling settings, or a decode step of this many rows over this much of the cache) it publishes
-the step's host inputs. Every other process reads the steps in order and runs each one on the same
-compiled function; their results stay on the devices, and process 0 reads the sampled tokens.
-
-The steps travel through the coordinator's key-value store (the one the heartbeats use): a step is
-a few bytes (a decode step: two integers) or the padded prompts of a prefill, process 0 writes it
-without waiting for anyone, and a process with nothing to do waits on a key, not inside a device
-collective, so an idle server holds no collective open for hours. Step n is the key
-`meshlm/serve/step/B/n` with B = n // BLOCK; every BLOCK steps each follower records how far it has
-read and process 0 deletes the blocks that every follower has passed, so the store stays small.
-
-A single process has no link: the engine calls its compiled steps directly, as it always has.
+Every process of a multi-controller JAX program must run the same jitted computations in the same
+order. Process 0 runs the HTTP server and the engine's loop and, before each step, publishes the
+step's host inputs through the coordinator's key-value store (step n is the key
+`meshlm/serve/step/B/n`, B = n // BLOCK); the other processes read the steps in order and run each
+on the same compiled function. How the store is kept small: docs/serve.md, "Inside the server".
+A single process has no link: the engine calls its compiled steps directly.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from meshlm.serve.sampling import SlotSampling
+from meshlm.serve.engine.sampling import SlotSampling
 
 STEP_PREFIX = "meshlm/serve/step/"
 ACK_PREFIX = "meshlm/serve/ack/"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import anyio
 from fastapi import Request
 
-from meshlm.serve.api_errors import engine_failure
+from meshlm.serve.api.errors import engine_failure
 
 log = logging.getLogger("meshlm.serve.api")
 

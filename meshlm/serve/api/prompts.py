@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from meshlm.serve.api_errors import APIError
-from meshlm.serve.request import GenerationRequest
-from meshlm.serve.sampling import SamplingParams
+from meshlm.serve.api.errors import APIError
+from meshlm.serve.engine.request import GenerationRequest
+from meshlm.serve.engine.sampling import SamplingParams
 
 
 @functools.lru_cache(maxsize=8)

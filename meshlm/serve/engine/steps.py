@@ -9,7 +9,7 @@ functions, both donating the state so it is updated in place:
                                              first `length` positions of the cache
 
 Both take and return fixed layouts, so the state one step returns is exactly what the next expects.
-Which requests own which slots is the scheduler's business (meshlm/serve/engine.py), not this module's.
+Which requests own which slots is the scheduler's business (meshlm/serve/engine/batching.py), not this module's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from meshlm import sharding
-from meshlm.serve.sampling import SlotSampling, sample
+from meshlm.serve.engine.sampling import SlotSampling, sample
 
 
 class DecodeState(NamedTuple):

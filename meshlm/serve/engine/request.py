@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from meshlm.serve.sampling import SamplingParams
+from meshlm.serve.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class RequestHandle:
         self._queue: asyncio.Queue | None = None
         # decoding state, touched only by the engine thread
         self._ids: list[int] = []
-        self._text = None  # meshlm.serve.text.IncrementalText, set by the engine
-        self._stops = None  # meshlm.serve.text.StopMatcher, set by the engine
+        self._text = None  # meshlm.serve.engine.text.IncrementalText, set by the engine
+        self._stops = None  # meshlm.serve.engine.text.StopMatcher, set by the engine
         self._held = ""  # settled text not sent yet: it could begin a stop string
 
     @property

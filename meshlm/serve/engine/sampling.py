@@ -58,7 +58,7 @@ class SlotSampling(NamedTuple):
     keys: jax.Array
 
     @staticmethod
-    def host(params: list[SamplingParams], fallback_seeds: list[int]) -> "SlotSampling":
+    def host(params: list[SamplingParams], fallback_seeds: list[int]) -> SlotSampling:
         """Numpy arrays for these requests (a request without a seed uses its fallback seed)."""
         seeds = [p.seed if p.seed is not None else s for p, s in zip(params, fallback_seeds)]
         return SlotSampling(
@@ -69,7 +69,7 @@ class SlotSampling(NamedTuple):
         )
 
     @staticmethod
-    def empty(batch: int) -> "SlotSampling":
+    def empty(batch: int) -> SlotSampling:
         return SlotSampling(np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
                             np.zeros((batch, 2), np.uint32))
 

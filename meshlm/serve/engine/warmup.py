@@ -2,13 +2,13 @@
 
 A shape is a tuple: ("prefill", P) is the prefill of prompts padded to P tokens, ("decode", rows,
 length) a decode step of `rows` slots over `length` cache positions, ("score", rows, length) the
-log-probability Scorer's forward over that many padded sequences (meshlm/serve/scoring.py).
+log-probability Scorer's forward over that many padded sequences (meshlm/serve/engine/scoring.py).
 
 `plan` orders them by how soon traffic needs them: the shortest prefill bucket and the smallest decode
 step first (one short request needs nothing else), then the other decode steps (short caches and few
 rows before long caches and many rows) alternating with the longer prefill buckets, then the Scorer's
 smallest bucket. `meshlm serve` compiles the first `FIRST` of them before it takes requests and the
-rest in the background (meshlm/serve/engine.py: `Engine.start(background=True)`).
+rest in the background (meshlm/serve/engine/batching.py: `Engine.start(background=True)`).
 
 `WarmupProgress` shows "shapes compiled / total" with the elapsed and remaining time on a rich console.
 """
@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm.serve.sampling import SlotSampling
-from meshlm.serve.shapes import Shapes
+from meshlm.serve.engine.sampling import SlotSampling
+from meshlm.serve.engine.shapes import Shapes
 
 log = logging.getLogger("meshlm.serve")
 
@@ -85,8 +85,14 @@ class WarmupProgress:
     `close()` ends the bar early. Once every shape is compiled the bar ends and `on_done(seconds)` runs."""
 
     def __init__(self, console, on_done=None):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.console, self.on_done = console, on_done
         self._progress = Progress(TextColumn("compiling shapes"), BarColumn(bar_width=BAR), MofNCompleteColumn(),

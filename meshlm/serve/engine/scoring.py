@@ -9,17 +9,9 @@
     s.greedy          # [4] bool: token i is the likeliest there (row 0: False)
     s.next_top_ids, s.next_top_logprobs    # [5]: the likeliest tokens after the last one
 
-One jitted forward per (rows, length) bucket: sequences are right-padded to the smallest length bucket
-that holds the longest (powers of two from 32, and the longest length taken), and grouped into row
-buckets (the data-parallel size times a power of two, up to `max_batch`), so repeated shapes never
-compile again (`compiled_shapes()`). Causal attention makes padding after a sequence change nothing
-before it. The head runs over a chunk of positions at a time, so float32 logits are never held for
-the whole batch: only [rows, chunk, vocab]. The log-probabilities are the model's own (no temperature).
-
-A server scores through its engine instead (`Engine.submit_scores`): `chunks` splits the sequences
-into groups of similar length, each one forward of at most a given number of padded tokens (a
-sequence longer than that is a group of its own), and the engine runs one group between two decode
-steps with `score_chunk`, so that scoring never holds up the streams beside it for longer than a group.
+One jitted forward per (rows, length) bucket; the head runs over a chunk of positions at a time. A
+server scores through its engine (`Engine.submit_scores`), a group of sequences (`chunks`) between
+two decode steps (`score_chunk`). Buckets and chunks: docs/serve.md, "Inside the server".
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from meshlm import sharding
-from meshlm.serve.shapes import length_buckets
+from meshlm.serve.engine.shapes import length_buckets
 
 MAX_TOP = 20  # alternatives computed at every position; `top` asks for up to this many
 HEAD_CHUNK = 128  # positions whose logits are computed at once
@@ -63,7 +55,7 @@ class Scorer:
     """Scores token sequences with a model's weights on its mesh. Thread-safe.
 
     `params` is either the model's parameter tree (`LoadedModel.params`, layers stacked) or the engine's
-    (other weights, one tree per layer), as `meshlm.serve.steps.split_layers` makes it. Sequences may
+    (other weights, one tree per layer), as `meshlm.serve.engine.steps.split_layers` makes it. Sequences may
     be up to `max_len` tokens; `max_batch` rows run at once."""
 
     def __init__(self, placement: Any, params: Any, *, max_len: int, max_batch: int = 8):
@@ -140,7 +132,7 @@ class Scorer:
         return groups
 
     def score_into(self, handle: Any, chunk: list[int]) -> tuple:
-        """Score the sequences `chunk` indexes of a `ScoreHandle` (meshlm/serve/request.py) into its
+        """Score the sequences `chunk` indexes of a `ScoreHandle` (meshlm/serve/engine/request.py) into its
         `scores`, finishing it when no chunk is left; the shape run, ("score", rows, length)."""
         group = [handle.sequences[i] for i in chunk]
         for i, s in zip(chunk, self.score_chunk(group, handle.top)):
