@@ -170,3 +170,14 @@ def test_train_with_a_preset_and_zero_stage_then_resume(tmp_path, capsys):
     second = capsys.readouterr().out
     assert code == 0, second[-3000:]
     assert "resumed from" in second and "step      3" in second
+
+
+def test_mesh_devices_and_dtype_are_declared_once_for_every_command():
+    """--mesh_dim, --devices and --dtype come from meshlm.config's sections in every command (serving's
+    default mesh and words passed in), and no command rewrites argparse's actions."""
+    for path in sorted((Path(__file__).resolve().parent.parent / "meshlm" / "cli").glob("*.py")):
+        text = path.read_text()
+        assert "._actions" not in text, path.name
+        for flag in ("--mesh_dim", "--devices", "--dtype"):
+            if (path.name, flag) != ("convert.py", "--dtype"):  # there: the dtype the weights are written in
+                assert f'add_argument("{flag}"' not in text, (path.name, flag)

@@ -1,13 +1,5 @@
 """`--remat=auto`: which rematerialisation policy (and, in `meshlm plan`, how many gradient-accumulation
-micro-batches) a job needs on a mesh.
-
-The policies, from the least recomputation to the most (and, roughly, the most memory to the least):
-
-    none           every activation the backward needs is kept
-    save_dots      matmul outputs kept, the elementwise work between them recomputed
-    save_attn      q, k, v, the attention output and its projection kept: the MLP recomputed
-    save_qkv_attn  q, k, v and the attention output kept: the MLP and the output projection recomputed
-    full           only each layer's input kept: the whole layer recomputed
+micro-batches) a job needs on a mesh. The policies, least recomputation first: `meshlm.models.remat`.
 
 `meshlm plan` rates each with the cost model and keeps the fastest that fits; `meshlm train` (which
 has no step-time model of the machine it runs on) takes the first in this order whose predicted peak
