@@ -155,16 +155,14 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
     of one device (`meshlm.plan.remat.first_fitting`)."""
     import jax
 
-    from meshlm import platform
+    from meshlm.backends import profile_for
     from meshlm.plan.fit import auto_policy
 
     device = device or jax.local_devices()[0]
     budget, _ = device_memory(device)
     if not budget:
         return "none"
-    kept = None
-    if device.platform == "cpu":
-        kept = platform.KEPT_BLOCK_BYTES if platform.keep_host_memory() else 0
+    kept = profile_for(device.platform).kept_block_bytes()
     return auto_policy(plan_job(cfg, model, shape), shape, budget, memory_compiler(device), kept)
 
 
@@ -243,9 +241,10 @@ def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False)
     """(strategy, rules) from --strategy, --zero_stage and --sharding_rules, checked against the mesh
     and the batch."""
     from meshlm.sharding import as_tuple
-    from meshlm.strategy import choose
+    from meshlm.strategy import check_pipelined, choose
 
     strategy, rules = choose(cfg.strategy, cfg.zero_stage, cfg.sharding_rules)
+    check_pipelined(strategy, shape.as_dict(), pipelined)
     if rules and rules.layers and pipelined:
         raise UsageError(f"{cfg.sharding_rules}: [[layers]] ranges with --pp: the pipeline stages already split "
                          "the layers; drop one of them")

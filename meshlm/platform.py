@@ -1,28 +1,15 @@
 """What the machine is and how JAX runs on it: simulated CPU devices, the dtype `auto` means, the
-XLA flags and compilation cache each backend gets, and the share of device memory JAX takes.
+backend JAX will pick, the XLA options and flag presets, the compilation cache, the host allocator and
+the share of device memory JAX takes. The backend profiles (`meshlm.backends`) choose among these.
 
-Everything here must run before JAX initialises its backends (before the first device query), so
-it is small, imports JAX lazily and never starts it. `configure_runtime` is what the commands that
-compile (train, explain, generate, serve) call first:
-
-- `--devices=N`: N simulated CPU devices (`configure_devices`);
-- per-program XLA options on CPU (`compiler_options`): 512-bit vector loops where the CPU has AVX-512,
-  and XLA:CPU's default scheduler for a pipelined step (it keeps collectives in one order);
-- XLA flag presets per backend (`xla_flag_preset`): GPU flags go to `XLA_FLAGS`, TPU flags to
-  `LIBTPU_INIT_ARGS` (libtpu reads its compiler flags there). A variable the user set is left as it
-  is, silently: their flags win whole, none of the preset is merged in. `MESHLM_XLA_PRESET=0` turns
-  the presets off (and the CPU's program options). CPU gets no flags.
-- a persistent compilation cache in `<meshlm cache>/jax` (`$MESHLM_CACHE`, else
-  `$XDG_CACHE_HOME/meshlm` or `~/.cache/meshlm`, as for tokenizers), unless `JAX_COMPILATION_CACHE_DIR`
-  names another folder; `MESHLM_COMPILATION_CACHE=0` turns it off. JAX writes an entry for every
-  program that took at least `jax_persistent_cache_min_compile_time_secs` (1 s by default) to compile.
-
-Which backend JAX will pick is decided without starting it (`detect_backend`): the first entry of
-`JAX_PLATFORMS` (or of `jax_platforms`) when set; else the backend JAX already runs, if it started;
-else a TPU when libtpu is installed and TPU chips are on the PCI bus, a GPU when a CUDA plugin is
-installed and an NVIDIA device node exists (JAX's own order of preference), otherwise the CPU.
-libtpu alone (installed to compile for TPU topologies ahead of time) does not make a machine a TPU
-host.
+Everything here runs before JAX initialises its backends, so it imports JAX lazily and never starts
+it. `configure_runtime` is what the commands that compile call first: `--devices=N` simulated CPU
+devices, the flag preset for the backend (GPU flags in `XLA_FLAGS`, TPU flags in `LIBTPU_INIT_ARGS`;
+a variable the user set wins whole; `MESHLM_XLA_PRESET=0` turns presets and the CPU's program options
+off), and a persistent compilation cache in `<meshlm cache>/jax` (`MESHLM_COMPILATION_CACHE=0`: off).
+`detect_backend` decides the backend without starting JAX: `JAX_PLATFORMS` when set, else the one
+already running, else a TPU (libtpu and TPU chips on the PCI bus), a GPU (a CUDA plugin and an NVIDIA
+device node), or the CPU. docs/kernels.md ("Backend profiles") says what each setting was measured at.
 """
 
 from __future__ import annotations
@@ -93,17 +80,12 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.75
 
 # ------------------------------------------------------------------------------------ devices, dtypes
 
-# A pipelined train step on simulated CPU devices compiles with XLA:CPU's default scheduler: the
-# concurrency-optimised one let two devices run an fsdp all-gather and a pipeline collective-permute
-# in opposite orders (pp=4 × fsdp=2), each then waiting for the other until XLA aborts the process
-# after 40 s (`Termination timeout for all gather`; 5 of 5 runs on a loaded machine, 0 of 6 with this).
-# Only there: the flat programs keep the scheduler the planner's CPU memory model was measured with.
+# A pipelined train step on simulated CPU devices keeps XLA:CPU's default scheduler: the concurrency-
+# optimised one can deadlock a pipeline's collectives against fsdp's (docs/kernels.md, "Backend profiles").
 PIPELINE_CPU_COMPILER_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
 
-# On a CPU with AVX-512, XLA:CPU's own loops (the elementwise fusions: norms, SwiGLU, softmax, the
-# optimizer) are vectorised 512 bits wide instead of its default 256. The matmuls are the matmul
-# library's either way. Bench shape (docs/kernels.md), one process, rounds alternating: `1,8,1,1`
-# 1.028x (328 against 337 ms a step, 608 against 628 ms of CPU), 1 device 1.013x, `2,2,2,1` 0.997x.
+# On a CPU with AVX-512, XLA:CPU's own loops (norms, SwiGLU, softmax, the optimizer) vectorised 512 bits
+# wide instead of 256; the matmuls are the matmul library's either way (docs/kernels.md).
 WIDE_VECTOR_CPU_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
 
 
@@ -182,7 +164,8 @@ def resolve_dtype(dtype: str, backend: str | None = None, serving: bool = False)
 
 # ------------------------------------------------------------------------------------ which backend
 
-def _platform_kind(name: str) -> str:
+def platform_kind(name: str) -> str:
+    """'gpu', 'tpu' or 'cpu' for a JAX platform name (cuda and rocm are GPUs)."""
     name = name.strip().lower()
     return "gpu" if name in ("gpu", "cuda", "rocm") else "tpu" if name == "tpu" else "cpu"
 
@@ -194,7 +177,7 @@ def _started_backend() -> str | None:
         return None
     import jax
 
-    return _platform_kind(jax.default_backend())
+    return platform_kind(jax.default_backend())
 
 
 def _tpu_chips() -> int:
@@ -232,7 +215,7 @@ def detect_backend(environ=None) -> str:
     environ = os.environ if environ is None else environ
     platforms = _named_platforms(environ)
     if platforms:
-        return _platform_kind(platforms.split(",")[0])
+        return platform_kind(platforms.split(",")[0])
     started = _started_backend()
     if started:
         return started
@@ -263,7 +246,7 @@ def skip_absent_tpu(environ=None) -> str | None:
 
 def xla_flag_preset(backend: str) -> dict[str, str]:
     """{environment variable: flags} meshlm sets for `backend` ('gpu', 'tpu', 'cpu'); {} on CPU."""
-    return {var: " ".join(flags) for var, flags in PRESETS[_platform_kind(backend)].items()}
+    return {var: " ".join(flags) for var, flags in PRESETS[platform_kind(backend)].items()}
 
 
 def apply_xla_flag_preset(backend: str | None = None, environ=None) -> dict[str, str]:
@@ -352,9 +335,7 @@ def keep_host_memory(environ=None) -> bool:
     XLA:CPU allocates each run's scratch (a device's activations, the gradients of a layer) anew and
     frees it at the end. glibc serves a block above its mmap threshold (at most 32 MiB) with a fresh
     mmap and unmaps it when freed, and trims freed heap memory back to the kernel; the next step then
-    faults every page in again, zero-filled. On the bench shape (docs/kernels.md) `--remat=none` on
-    `1,8,1,1` faulted 59,000 pages a step (230 MB) and ran 0.84x of the default policy; with these
-    settings it faults under 100 and is the faster of the two. Leaves the allocator alone where the
+    faults every page in again, zero-filled (docs/kernels.md measures it). Leaves the allocator alone where the
     user tuned it through the environment (`MALLOC_*_` variables, `GLIBC_TUNABLES` with
     glibc.malloc), where the C library is not glibc, and with `MESHLM_HOST_ALLOCATOR=0`."""
     global _host_allocator_kept

@@ -17,7 +17,7 @@ import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,11 +87,11 @@ def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes]
     entries, used = [], set()
     for name, axes in zip(logical, per_dim):
         if name in shared:
-            axes = tuple(a for a in axes if a not in claimed)
+            axes = as_tuple(filter_axes(axes, drop=claimed))
         if clash := used.intersection(axes):
             raise UsageError(f"logical axes {tuple(logical)} put mesh axis {sorted(clash)[0]!r} on two dimensions")
         used.update(axes)
-        entries.append(_entry(axes))
+        entries.append(filter_axes(axes))
     return P(*entries)
 
 
@@ -229,8 +229,8 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
         gathered = logical_to_spec(("vocab", "embed"), strategy.activations, mesh, strategy.shared)
         return jnp.take(_pin(table, gathered, active), tokens, axis=0)
     rows_batch, rows_length = [a for a in batch if a not in table_axes], [a for a in length if a not in table_axes]
-    x = jnp.take(table, _pin(tokens, P(_entry(rows_batch), _entry(rows_length)), active), axis=0)
-    x = _pin(x, P(_entry(rows_batch), _entry(rows_length), _entry(table_axes)), active)
+    x = jnp.take(table, _pin(tokens, P(filter_axes(rows_batch), filter_axes(rows_length)), active), axis=0)
+    x = _pin(x, P(filter_axes(rows_batch), filter_axes(rows_length), filter_axes(table_axes)), active)
     embed = list(table_axes)
     while embed:
         axis = embed.pop()
@@ -238,20 +238,46 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
             rows_batch = [a for a in batch if a in rows_batch or a == axis]
         else:
             rows_length = [a for a in length if a in rows_length or a == axis]
-        x = _pin(x, P(_entry(rows_batch), _entry(rows_length), _entry(embed)), active)
+        x = _pin(x, P(filter_axes(rows_batch), filter_axes(rows_length), filter_axes(embed)), active)
     return x
 
 
-def _entry(axes: Sequence[str]) -> MeshAxes:
-    """Mesh axes as one PartitionSpec entry: None, one axis, or a tuple of them."""
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+def filter_axes(axes: MeshAxes | Sequence[str], *, drop: Collection[str] = (),
+                only: Collection[str] | None = None) -> MeshAxes:
+    """Mesh axes (a table or spec entry, or a sequence of axes) as one PartitionSpec entry (None, one
+    axis, or a tuple of them), keeping those in `only` (all when None) and not in `drop`."""
+    kept = tuple(a for a in as_tuple(axes) if a not in drop and (only is None or a in only))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def filter_spec(spec: P, *, drop: Collection[str] = (), only: Collection[str] | None = None) -> P:
+    """`spec` with each entry's mesh axes filtered as `filter_axes` does."""
+    return P(*(filter_axes(e, drop=drop, only=only) for e in spec))
+
+
+def without_axes(strategy: Strategy, axes: Collection[str]) -> Strategy:
+    """The strategy's activations without these mesh axes (inside a shard_map that is manual over them)."""
+    acts = {k: filter_axes(v, drop=axes) for k, v in strategy.activations.items()}
+    return dataclasses.replace(strategy, activations=acts)
+
+
+def micro_batches(batch: dict, n: int, mesh: Mesh | None = None, strategy: Strategy | None = None) -> dict:
+    """Each [B, ...] array of `batch` -> [n, B/n, ...], micro-batch i = rows i, i+n, ...: each data shard
+    keeps its own rows. With `mesh` and `strategy`, the rows stay laid out as the strategy's batch."""
+    stacked = None if mesh is None else NamedSharding(mesh, P(None, *batch_sharding(mesh, strategy).spec))
+
+    def split(x):
+        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+        return x if stacked is None else jax.lax.with_sharding_constraint(x, stacked)
+
+    return {k: split(v) for k, v in batch.items()}
 
 
 def _pin(x: jax.Array, spec: P, active: _Active) -> jax.Array:
     context = _manual_context()
     if context is not None:  # inside a shard_map (pipeline stages, ZeRO 0-2): its mesh, its automatic axes only
         manual = set(context.manual_axes)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(context, P(*(_without(e, manual) for e in spec))))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, filter_spec(spec, drop=manual)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
 
 
@@ -259,11 +285,6 @@ def _manual_context():
     """The mesh of the `shard_map` being traced when it is manual over some axes, else None."""
     context = jax.sharding.get_abstract_mesh()
     return context if not context.empty and context.manual_axes else None
-
-
-def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
-    kept = tuple(a for a in _as_tuple(entry) if a not in axes)
-    return _entry(kept)
 
 
 def splits_over(specs: Any, axes: Sequence[str]) -> bool:
@@ -392,4 +413,5 @@ __all__ = [
     "Strategy", "for_decoding", "logical_to_spec", "param_specs", "named", "replicated",
     "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
     "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "active_platform", "describe_specs",
+    "filter_axes", "filter_spec", "without_axes", "micro_batches",
 ]

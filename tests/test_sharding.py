@@ -85,3 +85,26 @@ def test_splits_over_names_a_split_on_any_of_the_axes():
     specs = {"a": P(None, ("dp", "fsdp")), "b": P("tp"), "c": P()}
     assert sharding.splits_over(specs, ("fsdp",)) and sharding.splits_over(specs, ("tp", "sp"))
     assert not sharding.splits_over(specs, ("sp",)) and not sharding.splits_over({"c": P()}, ("dp",))
+
+
+# ------------------------------------------------------------------------------------ spec helpers
+
+def test_filter_axes_gives_one_spec_entry():
+    assert sharding.filter_axes(("dp", "fsdp", "sp"), drop={"fsdp"}) == ("dp", "sp")
+    assert sharding.filter_axes(("dp", "fsdp"), only=("fsdp", "tp")) == "fsdp"
+    assert sharding.filter_axes("tp", drop=("tp",)) is None
+    assert sharding.filter_axes(["fsdp"]) == "fsdp" and sharding.filter_axes(None) is None
+    assert sharding.filter_spec(P(("dp", "fsdp"), None, "tp"), only=("dp", "fsdp")) == P(("dp", "fsdp"), None, None)
+    local = sharding.without_axes(DEFAULT, ("dp", "fsdp"))
+    assert sharding.as_tuple(local.activations["batch"]) == () and local.params == DEFAULT.params
+
+
+def test_micro_batches_keep_each_data_shard_s_rows():
+    """Micro-batch i holds rows i, i+n, ...; laid out on a mesh, each one's rows stay split as the batch's."""
+    batch = {"inputs": np.arange(8 * 3).reshape(8, 3)}
+    micro = sharding.micro_batches(batch, 2)["inputs"]
+    np.testing.assert_array_equal(micro[1], batch["inputs"][1::2])
+    mesh = build_mesh(parse_mesh_dim("1,8,1,1", 8), jax.devices()[:8])
+    stacked = jax.jit(lambda b: sharding.micro_batches(b, 2, mesh, DEFAULT))(
+        {"inputs": jnp.zeros((16, 4), jnp.int32)})["inputs"]
+    assert stacked.shape == (2, 8, 4) and tuple(stacked.sharding.spec)[:2] == (None, "fsdp")

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshlm import axes, sharding
+from meshlm.backends import traced_profile
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.loss import head_loss_sums, project
@@ -146,17 +147,17 @@ class LayerCache(NamedTuple):
 
 def scan_unroll(cfg: ModelConfig, count: int) -> int:
     """Layers per iteration of a loop over `count` layers: `cfg.scan_unroll`, or for 0 (auto) all of
-    them on GPU (the loop's per-layer copies of its stacked residuals cost more there than the longer
-    compile) and one elsewhere (TPU and CPU keep one compiled layer)."""
+    them where the backend's profile unrolls the loop (GPU: the loop's per-layer copies of its stacked
+    residuals cost more there than the longer compile), else one compiled layer."""
     if cfg.scan_unroll:
         return max(1, min(cfg.scan_unroll, count))
-    return count if sharding.active_platform() == "gpu" else 1
+    return count if traced_profile().unroll_layers else 1
 
 
 def attend(q, k, v, positions, segment_ids, kernel: str = "auto", max_documents: int = kernels.MAX_DOCUMENTS):
     """Causal attention: RingAttention when `length` is sharded, else the `kernel` (`--attention`) that
     `meshlm.ops.kernels` runs for the platform of the active mesh (auto: splash on TPU, cuDNN or Triton
-    on GPU, dense below 1024 tokens and blockwise from there on CPU)."""
+    on GPU, dense below 256 tokens and blockwise from there on CPU)."""
     ring = sharding.ring_spec()
     kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     if ring is not None:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from meshlm import axes, sharding
+from meshlm.backends import traced_profile
 from meshlm.ops.linear import linear
 
 
@@ -58,8 +59,9 @@ def project(x: jax.Array, weights: jax.Array) -> jax.Array:
     cast to the compute dtype and both matmuls run in it; the weights' gradient comes back in float32
     and in the weights' own dtype (`meshlm.ops.linear`). In float32 this is plain autodiff of one matmul.
 
-    On XLA:CPU, with x below float32, the weights' gradient leaves its matmul as it is (`_fence_gradient`)."""
-    if x.dtype != jnp.float32 and sharding.active_platform() == "cpu":
+    Below float32, where the backend's profile asks for it (XLA:CPU), the weights' gradient leaves its
+    matmul as it is (`_fence_gradient`)."""
+    if x.dtype != jnp.float32 and traced_profile().fence_head_gradient:
         weights = _fence_gradient(weights)
     return sharding.constrain(linear("bte,ev->btv", x, weights, out=jnp.float32), axes.LOGITS)
 

@@ -24,11 +24,6 @@ from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule, pipeline_value_and_grad
 
 
-def micro_batches(x: jax.Array, n: int) -> jax.Array:
-    """[B, ...] -> [n, B/n, ...], microbatch i = rows i, i+n, ...: each data shard keeps its rows."""
-    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-
-
 def to_stages(layers: Any, pp: int, virtual: int) -> Any:
     """[L, ...] stacked layers -> [pp, V, L/S, ...]; stage k = v·pp + r (layers k·L/S ..) at [r, v]."""
     def one(a):
@@ -47,7 +42,7 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
     Unlike the plain step, the gradients come back already divided by the token count. The stages run
     the model's own parts (`Llama.embed_tokens`, `run_layers`, `head`) on the weights they hold."""
     cfg, mesh, model = placement.cfg, placement.mesh, placement.structure
-    mb = {k: micro_batches(v, schedule.microbatches) for k, v in batch.items()}
+    mb = sharding.micro_batches(batch, schedule.microbatches)
     count = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
     def first_fn(table, s):

@@ -95,9 +95,8 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, max_segments: int = MAX_DOCU
     `segment_ids` [B, T], are passed as cuDNN's packed layout (per-document lengths and offsets), each
     attending causally within itself. Runs on a GPU only (no XLA twin).
 
-    cuDNN's backward takes a float32 workspace of [B x max_segments, T, heads, head_dim] (an H200,
-    B 1 x T 8192 x 32 heads of 128: 2.1 GiB at 8, 16.2 at 64), and its time grows with it too
-    (2.6 ms at 8, 3.9 at 64, forward and backward): keep max_segments near the documents a row holds."""
+    cuDNN's backward takes a float32 workspace of [B x max_segments, T, heads, head_dim], and its time
+    grows with it too (docs/kernels.md measures both): keep max_segments near the documents a row holds."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     seqlens, offsets = segment_offsets(segment_ids, max_segments)

@@ -2,30 +2,16 @@
 
     attention(q, k, v, q_positions=..., kv_positions=..., kernel="auto", platform="tpu", layout=...)
 
-Shapes and the masking rule are those of `meshlm.ops.attention`. The kernels:
-
-    dense      the reference: the [T, S] score matrix in memory (`attention.dot_product_attention`)
-    blockwise  flash-style online softmax in pure JAX (`attention.blockwise_attention`); any positions
-    splash     TPU: Pallas splash attention (`meshlm.ops.splash`), causal and segment-id masks, GQA
-    cudnn      GPU: cuDNN flash attention (`meshlm.ops.gpu`), causal, GQA; packed documents on Hopper+
-    triton     GPU: the Pallas (Triton) flash kernel (`meshlm.ops.gpu`), causal and segment-id masks
-
-`auto` picks, for the platform the job runs on: TPU -> splash; GPU -> cudnn, or triton for float32
-or packed documents before Hopper; CPU -> dense below `DENSE_BELOW` tokens, else blockwise. A kernel forced by name
-that cannot serve the call raises one `UsageError` line saying why. `auto` never raises: it falls back
-to the next kernel that can serve the call.
-
-The fused kernels (splash, cudnn, triton) mask by index, not by position: they serve causal
-self-attention whose positions increase along each document (as training and prefill give them).
-The blockwise kernel pads a length that its blocks do not divide (padded keys are masked, padded
-queries dropped), so no length falls back to the O(T^2) dense kernel; the fused kernels pad the same
-way (causality alone keeps the padding unseen).
-
-Pallas and cuDNN calls are not partitioned by XLA: under a mesh, `layout` names the mesh and the
-PartitionSpecs of q, k/v and the [B, T] segment ids, and the kernel runs in a `shard_map` over the
-batch and head axes (the length is never split here; RingAttention splits it). With
-`interpret=True` the Pallas kernels run in interpret mode and cudnn as its XLA twin, on any backend:
-how their numerics are tested on CPU.
+Shapes and masking are those of `meshlm.ops.attention`. Kernels: `dense` (the [T, S] reference),
+`blockwise` (flash-style online softmax in pure JAX, any positions), `splash` (TPU, Pallas), `cudnn`
+and `triton` (GPU, `meshlm.ops.gpu`). `auto` takes the first of the backend profile's fused kernels
+(`meshlm.backends`) that can serve the call, then dense below the profile's `dense_attention_below`
+tokens, else blockwise; it never raises. A kernel forced by name that cannot serve the call raises one
+`UsageError` line saying why. The fused kernels mask by index (causal self-attention with positions
+increasing along each document) and, like blockwise, pad a length their blocks do not divide. XLA does
+not partition Pallas and cuDNN calls: under a mesh, `layout` names the mesh and specs and the kernel
+runs in a `shard_map` over the batch and head axes. `interpret=True` runs the Pallas kernels in
+interpret mode and cudnn as its XLA twin on any backend. docs/kernels.md has the whole story.
 """
 
 from __future__ import annotations
@@ -38,15 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from meshlm.backends import DENSE_ATTENTION_BELOW, profile_for
 from meshlm.ops.kernel_names import KERNELS
 from meshlm.errors import UsageError
 from meshlm.ops import attention as attn
 from meshlm.ops.gpu import MAX_DOCUMENTS
 
-# `auto` on CPU: dense attention below this many tokens, blockwise from here on. Dense attention's backward
-# keeps the [T, S] probabilities; from 256 tokens the blockwise kernel's recompute is faster on XLA:CPU
-# (bench shape, T = 256: 1 device +5%, fsdp=8 +10%; T = 128 no better, within noise).
-DENSE_BELOW = 256
+# `auto` with no fused kernel: dense attention below this many tokens, blockwise from there (the
+# backend's profile chooses; docs/kernels.md says why).
+DENSE_BELOW = DENSE_ATTENTION_BELOW
 BLOCK = 512  # the blockwise kernel's largest block (queries and keys)
 _HOME = {"splash": "tpu", "cudnn": "gpu", "triton": "gpu"}
 
@@ -118,11 +104,11 @@ def choose(kernel: str, call: Call) -> str:
         if reason := why_not(kernel, call):
             raise UsageError(f"--attention={kernel} {reason}; or use --attention=auto")
         return kernel
-    preferred = {"tpu": ("splash",), "gpu": ("cudnn", "triton")}.get(call.platform, ())
-    for name in preferred:
+    profile = profile_for(call.platform)
+    for name in profile.fused_attention:
         if why_not(name, call) is None:
             return name
-    return "dense" if call.q_len < DENSE_BELOW else "blockwise"
+    return "dense" if call.q_len < profile.dense_attention_below else "blockwise"
 
 
 def default_platform() -> str:

@@ -3,23 +3,13 @@
     y = linear("bte,ehd->bthd", x, w)                      # x @ w in x's dtype
     logits = linear("bte,ev->btv", x, w, out=jnp.float32)  # the same operands, float32 out
 
-`w` is a stored weight (any float dtype: float32 master weights, or bfloat16 ones); the matmul casts it
-to x's dtype, the compute dtype. The gradient is autodiff's, written out as two matmuls:
-
-- x's gradient: the output's cotangent (cast to the compute dtype) times w, in the compute dtype;
-- w's gradient: x times that cotangent, in the output's dtype (the compute dtype, or `out`: the output
-  head's is float32, as its logits are; float32 on XLA:CPU, see CPU_FLOAT32_WEIGHT_GRADIENTS), then
-  in w's own dtype.
-
-Why write it out: XLA:CPU laid autodiff's weight-gradient matmuls of the MLP out with both operands
-transposed, a form YNNPACK does not take, and ran them as Eigen's generic bfloat16 matmul, several
-times slower than the rest (one device, the bench shape: the whole step took twice as long). Written
-as one einsum of x and the cotangent, every matmul of the step is a YNNPACK fusion. The backward also
-reuses the weight as the forward cast it, so a sharded weight is gathered once for both matmuls.
-
-The einsum `spec` has two operands, no repeated index within one operand and no index summed away
-that the other operand lacks (each index of w is in x or the output), which holds for every projection
-of the model. In float32 (x's dtype) this is plain autodiff of one einsum.
+`w` is a stored weight (any float dtype); the matmul casts it to x's dtype, the compute dtype. The
+backward is autodiff's, written out as two matmuls: x's gradient in the compute dtype; w's gradient as
+one einsum of x and the cotangent, in the output's dtype (or float32 where the backend's profile says
+so, `meshlm.backends`), then in w's own dtype. It reuses the weight as the forward cast it, so a sharded
+weight is gathered once for both matmuls. Why it is written out (XLA:CPU's matmul forms) is in
+docs/kernels.md ("Backend profiles"). `spec` has two operands, no index repeated within one and none
+summed away that the other lacks; in float32 this is plain autodiff of one einsum.
 """
 
 from __future__ import annotations
@@ -29,14 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from meshlm import sharding
-
-
-# On XLA:CPU w's gradient comes out of its matmul in float32 whatever the output's dtype: YNNPACK
-# accumulates in float32 anyway, and the step skips rounding it to bfloat16 and widening it again for
-# the float32 weights (1,8,1,1 on the bench shape: 1.037x per step, in one process against the other form). On TPU it stays in the output's
-# dtype: XLA:TPU would reduce-scatter float32 gradients over fsdp, twice the bytes.
-CPU_FLOAT32_WEIGHT_GRADIENTS = True
+from meshlm.backends import traced_profile
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, out=None) -> jax.Array:
@@ -46,7 +29,7 @@ def linear(spec: str, x: jax.Array, w: jax.Array, out=None) -> jax.Array:
         return _project(spec, out, x, w)
     out = None if out is None else jnp.dtype(out)
     dw_dtype = out or jnp.dtype(x.dtype)
-    if CPU_FLOAT32_WEIGHT_GRADIENTS and sharding.active_platform() == "cpu":
+    if traced_profile().float32_weight_gradients:
         dw_dtype = jnp.dtype(jnp.float32)
     return _linear(spec, out, dw_dtype, jnp.dtype(w.dtype), x, w)
 

@@ -34,8 +34,8 @@ def auto_policy(job: Job, shape: MeshShape, device_bytes: float, compiler: str =
                 kept_block_bytes: float | None = None) -> str:
     """What `--remat=auto` means for this job, in `meshlm train` and in `meshlm plan --hardware=cpu` alike.
 
-    Simulated CPU devices (`kept_block_bytes` given: the scratch block the host allocator keeps between
-    steps, 0 where it is not kept, `meshlm.platform.keep_host_memory`): `none` where the step's scratch
+    A backend whose profile keeps the host's scratch between steps (CPU; `kept_block_bytes` given by
+    `meshlm.backends.Profile.kept_block_bytes`, 0 where it could not be kept): `none` where the step's scratch
     with every activation kept stays in that block and its peak fits, else the first of `CPU_POLICIES`
     that fits (`meshlm.job.auto_remat` says why). Elsewhere the least recomputation that fits. `full`
     when nothing does, for the memory check to report."""

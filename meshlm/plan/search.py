@@ -94,7 +94,7 @@ def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
 def _best_on_cpu(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """`best_on` for simulated CPU devices: train's choice of policy (`fit.auto_policy`, with the block of
     scratch the host allocator keeps where this machine keeps it), at the fewest micro-batches that fit."""
-    from meshlm import platform
+    from meshlm.backends import CPU
 
     kept = CPU.kept_block_bytes()  # as train sets it
     plan = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from meshlm.sharding import Strategy
 from meshlm.strategy.presets import DEFAULT, PRESETS, preset
 from meshlm.strategy.rules import LayerGroup, Rules, load
-from meshlm.strategy.zero import with_zero_stage
+from meshlm.strategy.zero import check_pipelined, with_zero_stage
 
 
 def choose(strategy: str = "default", zero_stage: int | None = None,
@@ -28,4 +28,4 @@ def choose(strategy: str = "default", zero_stage: int | None = None,
     return main, rules.with_layer_strategies(make) if rules else None
 
 
-__all__ = ["choose", "DEFAULT", "PRESETS", "preset", "Rules", "LayerGroup", "with_zero_stage"]
+__all__ = ["choose", "DEFAULT", "PRESETS", "preset", "Rules", "LayerGroup", "with_zero_stage", "check_pipelined"]

@@ -22,22 +22,18 @@ import dataclasses
 from typing import Mapping
 
 from meshlm.errors import UsageError
-from meshlm.sharding import MeshAxes, Strategy, as_tuple
+from meshlm.sharding import MeshAxes, Strategy, as_tuple, filter_axes
 
 STAGES = (0, 1, 2, 3)
 
 
-def _entry(axes: tuple[str, ...]) -> MeshAxes:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _replicate(table: Mapping[str, MeshAxes], data: tuple[str, ...]) -> dict[str, MeshAxes]:
-    return {k: _entry(tuple(a for a in as_tuple(v) if a not in data)) for k, v in table.items()}
+    return {k: filter_axes(v, drop=data) for k, v in table.items()}
 
 
 def _shard(table: Mapping[str, MeshAxes], data: tuple[str, ...]) -> dict[str, MeshAxes]:
     out = _replicate(table, data)
-    out["embed"] = _entry(data + as_tuple(out.get("embed")))
+    out["embed"] = filter_axes(data + as_tuple(out.get("embed")))
     return out
 
 
@@ -55,6 +51,16 @@ def with_zero_stage(strategy: Strategy, stage: int | None) -> Strategy:
         strategy, name=f"{strategy.name}+zero{stage}", zero_stage=stage,
         params=shard if stage >= 3 else rep, grads=shard if stage >= 2 else rep, opt_state=shard if stage >= 1 else rep,
     )
+
+
+def check_pipelined(strategy: Strategy, sizes: Mapping[str, int], pipelined: bool) -> None:
+    """Stages 0-2 combine the gradients in the step's own collective over the data axes, which a
+    pipelined step does not run (it keeps XLA's): refused with `--pp` where the batch splits over a
+    data axis of more than one device (`sizes`: the mesh axes' sizes)."""
+    stage = strategy.zero_stage
+    split = any(sizes.get(a, 1) > 1 for a in as_tuple(strategy.activations.get("batch")))
+    if pipelined and split and stage is not None and stage < 3:
+        raise UsageError(f"--zero_stage={stage} with --pp: the pipeline keeps XLA's collectives; use --zero_stage=3 or none")
 
 
 def formula_bytes(stage: int, n_params: int, n: int, param_bytes: int = 4) -> dict[str, float]:

@@ -6,10 +6,9 @@ is exactly the one of a single large batch. The division is by max(count, 1): a 
 token (chat rows holding only prompt tokens) has loss 0 and zero gradients, not 0/0 = NaN, and the
 step reports `tokens` 0.
 
-Gradients are laid out as the placement says (`grad_specs`). With `--zero_stage` 0, 1 or 2 each data
-shard computes its own gradients in a `shard_map` over the data axes and one explicit collective
-combines them: an all-reduce (stages 0, 1) or a reduce-scatter onto the sharded layout (stage 2).
-Otherwise (stage 3, or no stage) XLA's partitioner places the collectives.
+Three gradient paths share one micro-batcher (`sharding.micro_batches`): the pipeline's stages
+(`--pp`); ZeRO 0-2, each data shard in a `shard_map` with one all-reduce or reduce-scatter a gradient;
+otherwise XLA's partitioner places the collectives. The job refuses options they cannot combine.
 
 With LoRA (`lora=`, a `meshlm.models.lora.LoraPlacement`) the state's params are {"base", "lora"}: the
 gradients, the clipping and the AdamW update are the adapters' alone, and the frozen base passes
@@ -26,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshlm import platform, sharding
+from meshlm import backends, sharding
 from meshlm.errors import UsageError
-from meshlm.models.pipelined import micro_batches, pipelined_loss_and_grads
+from meshlm.models.pipelined import pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
 from meshlm.train.state import TrainState, state_shardings
@@ -45,17 +44,6 @@ def loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array
         return placement.structure.head_loss(x, batch["targets"], batch["loss_mask"], params)
 
 
-def _micro_batches(batch: dict, n: int, placement: Placement) -> dict:
-    """[B, T] -> [n, B/n, T], micro-batch i = rows i, i+n, ...: each device keeps its own rows local."""
-    data_spec = sharding.batch_sharding(placement.mesh, placement.strategy).spec
-    stacked = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(None, *data_spec))
-
-    def split(x):
-        return jax.lax.with_sharding_constraint(x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), stacked)
-
-    return {k: split(v) for k, v in batch.items()}
-
-
 def _grad_fn(placement: Placement, lora=None) -> Callable:
     """`f(trained, batch, frozen) -> ((loss sum, count), gradients of the trained tree)`: the params, or
     with `lora` the adapters over the frozen base."""
@@ -64,8 +52,15 @@ def _grad_fn(placement: Placement, lora=None) -> Callable:
     return jax.value_and_grad(lambda a, b, base: lora.loss_sums(placement, base, a, b), has_aux=True)
 
 
-def _accumulate(grad_fn: Callable, params: Any, micro: dict, frozen: Any = None):
-    """Sums of losses, token counts and gradients over the leading micro-batch axis (one scan)."""
+def _loss_grad_sums(grad_fn: Callable, params: Any, batch: dict, frozen: Any, grad_accum: int, layout: tuple = ()):
+    """(sum of token losses, token count, summed gradients) of `batch`; over `grad_accum` micro-batches
+    (`sharding.micro_batches`, one scan) when more than one. `layout`: (mesh, strategy) to keep the
+    micro-batches' rows laid out as the batch's (none inside a shard_map)."""
+    if grad_accum == 1:
+        (nll, count), grads = grad_fn(params, batch, frozen)
+        return nll, count, grads
+    micro = sharding.micro_batches(batch, grad_accum, *layout)
+
     def accumulate(carry, one):
         (nll, count), grads = grad_fn(params, one, frozen)
         return jax.tree.map(jnp.add, carry, (nll, count, grads)), None
@@ -74,16 +69,10 @@ def _accumulate(grad_fn: Callable, params: Any, micro: dict, frozen: Any = None)
     return jax.lax.scan(accumulate, zeros, micro)[0]
 
 
-def _drop_axes(strategy: sharding.Strategy, axes: tuple[str, ...]) -> sharding.Strategy:
-    """The strategy's activations without these mesh axes (inside a shard_map that is manual over them)."""
-    acts = {k: tuple(a for a in sharding.as_tuple(v) if a not in axes) or None for k, v in strategy.activations.items()}
-    return dataclasses.replace(strategy, activations=acts)
-
-
 def _combine(g: jax.Array, spec: jax.sharding.PartitionSpec, data: tuple[str, ...]) -> jax.Array:
     """One data shard's gradient -> the sum over all data shards, in the layout `spec` asks for over the
     data axes: all-reduce over the axes the spec does not use, reduce-scatter onto those it does."""
-    scattered = [(d, tuple(a for a in sharding.as_tuple(e) if a in data)) for d, e in enumerate(spec)]
+    scattered = [(d, sharding.as_tuple(sharding.filter_axes(e, only=data))) for d, e in enumerate(spec)]
     scattered = [(d, axes) for d, axes in scattered if axes]
     rest = tuple(a for a in data if all(a not in axes for _, axes in scattered))
     if rest:
@@ -98,8 +87,8 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=Non
     shard working on its own rows with the whole (replicated) weights, one collective per gradient."""
     mesh = placement.mesh
     data = placement.strategy.data_axes(mesh)
-    local = dataclasses.replace(placement, strategy=_drop_axes(placement.strategy, data),
-                                groups=tuple(dataclasses.replace(g, strategy=_drop_axes(g.strategy, data))
+    local = dataclasses.replace(placement, strategy=sharding.without_axes(placement.strategy, data),
+                                groups=tuple(dataclasses.replace(g, strategy=sharding.without_axes(g.strategy, data))
                                              for g in placement.groups))
     local.structure  # noqa: B018  built (abstractly) here: no parameter can be declared inside the shard_map
     grad_fn = _grad_fn(local, lora)
@@ -108,14 +97,9 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=Non
     if lora is not None:
         grad_specs, frozen_specs = lora.grad_specs, placement.specs
     P = jax.sharding.PartitionSpec
-    on_data = lambda spec: P(*(tuple(a for a in sharding.as_tuple(e) if a in data) or None for e in spec))  # noqa: E731
 
     def body(params, batch, frozen):
-        if grad_accum == 1:
-            (nll, count), grads = grad_fn(params, batch, frozen)
-        else:
-            nll, count, grads = _accumulate(grad_fn, params, {k: micro_batches(v, grad_accum) for k, v in batch.items()},
-                                            frozen)
+        nll, count, grads = _loss_grad_sums(grad_fn, params, batch, frozen, grad_accum)
         nll, count = jax.lax.psum((nll, count), data)
         grads = jax.tree.map(lambda g, spec: _combine(g, spec, data), grads, grad_specs,
                              is_leaf=lambda x: isinstance(x, P))
@@ -126,7 +110,7 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=Non
     return jax.shard_map(
         body, mesh=mesh, axis_names=set(data), check_vma=False,
         in_specs=(whole(grad_specs), P(data), None if frozen_specs is None else whole(frozen_specs)),
-        out_specs=(P(), P(), jax.tree.map(on_data, grad_specs, is_leaf=is_spec)),
+        out_specs=(P(), P(), jax.tree.map(lambda s: sharding.filter_spec(s, only=data), grad_specs, is_leaf=is_spec)),
     )
 
 
@@ -143,20 +127,15 @@ def make_train_step(
 
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
     (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train. The
-    program compiles with the platform's options (`meshlm.platform.compiler_options`), and
-    `compiler_options` on top of them."""
+    program compiles with its backend profile's options (`program_options`), and `compiler_options`
+    on top of them."""
     mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
     update = optax.with_extra_args_support(optimizer).update
     grad_specs = lora.grad_specs if lora is not None else placement.gradient_specs
-    # On XLA:CPU, gradients split over the data axes (ZeRO 2, 3, the default tables) take their norm in one
-    # reduction across devices: XLA:CPU runs every buffer of a combined collective as a rendezvous of
-    # all the device threads, one per leaf's sum of squares otherwise (docs/kernels.md). Gradients whole
-    # on every data shard (ZeRO 0, 1) have no reduction over the data axes to save. (Measured before the
-    # step's scratch was kept between runs, `meshlm.platform.keep_host_memory`: in one buffer their scratch
-    # on the bench shape went over glibc's 32 MiB mmap threshold and every step faulted it in anew.) XLA:TPU and
-    # XLA:GPU run a combined all-reduce as one collective: their programs (and the plan's fit to the
-    # TPU's) stay as they were.
-    split = placement.platform == "cpu" and sharding.splits_over(
+    profile = backends.profile_for(placement.platform)
+    # Where the profile asks for it (XLA:CPU), gradients split over the data axes take their norm in one
+    # reduction across devices (docs/kernels.md, "Backend profiles").
+    split = profile.one_reduction_grad_norm and sharding.splits_over(
         grad_specs, placement.strategy.data_axes(placement.mesh))
 
     def norm_of(grads):
@@ -176,8 +155,7 @@ def make_train_step(
 
     shardings = state_shardings(placement, optimizer, lora)
     batch_shardings = {k: sharding.batch_sharding(placement.mesh, placement.strategy) for k in BATCH_KEYS}
-    if placement.platform == "cpu":
-        platform.keep_host_memory()  # each step's scratch stays mapped for the next (no page faults)
+    profile.keep_host_memory()  # where the profile asks: each step's scratch stays mapped for the next
     return jax.jit(
         step,
         in_shardings=(shardings, batch_shardings),
@@ -188,9 +166,9 @@ def make_train_step(
 
 
 def program_options(placement: Placement, *, pipelined: bool = False, extra: dict | None = None) -> dict | None:
-    """The XLA options a train or eval program on `placement`'s mesh compiles with: the platform's
-    (`meshlm.platform.compiler_options`), then `extra`."""
-    options = {**(platform.compiler_options(placement.platform, pipelined=pipelined) or {}),
+    """The XLA options a train or eval program on `placement`'s mesh compiles with: its backend
+    profile's (`meshlm.backends`), then `extra`."""
+    options = {**(backends.profile_for(placement.platform).compiler_options(pipelined=pipelined) or {}),
                **(extra or {})}
     return options or None
 
@@ -202,13 +180,12 @@ def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedul
     gradients when no token counts). Traceable (the train step's first half). With `lora`, `params`
     are the adapters and `frozen` the base weights."""
     grad_fn = _grad_fn(placement, lora)
-    stage = placement.strategy.zero_stage
-    explicit = stage is not None and stage < 3 and placement.strategy.data_axes(placement.mesh)
-    if explicit and pipeline is not None:
-        raise UsageError(f"--zero_stage={stage} with --pp: the pipeline keeps XLA's collectives; use --zero_stage=3 or none")
+    stage = placement.strategy.zero_stage  # with --pp, stages 0-2 are refused by the job (`strategy.check_pipelined`)
+    explicit = pipeline is None and stage is not None and stage < 3 and placement.strategy.data_axes(placement.mesh)
     if lora is not None and pipeline is not None:
         raise UsageError("--lora_rank with --pp: LoRA does not run pipelined yet; drop --pp (or pp: in --mesh_dim)")
     local_grads = data_parallel_loss_grads(placement, grad_accum, lora) if explicit else None
+    layout = (placement.mesh, placement.strategy)
     grad_shardings = lora.grad_shardings if lora is not None else placement.grad_shardings
 
     def mean_loss_grads(params, batch, frozen=None):
@@ -218,10 +195,8 @@ def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedul
             return nll, count, jax.lax.with_sharding_constraint(grads, placement.grad_shardings)
         if local_grads is not None:
             nll, count, grads = local_grads(params, batch, frozen)
-        elif grad_accum == 1:
-            (nll, count), grads = grad_fn(params, batch, frozen)
         else:
-            nll, count, grads = _accumulate(grad_fn, params, _micro_batches(batch, grad_accum, placement), frozen)
+            nll, count, grads = _loss_grad_sums(grad_fn, params, batch, frozen, grad_accum, layout)
         tokens = jnp.maximum(count, 1.0)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         return nll, count, jax.tree.map(lambda g: g / tokens, grads)

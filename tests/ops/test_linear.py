@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshlm import backends
 from meshlm.ops import linear as linear_module
 from meshlm.ops.linear import linear
 
@@ -48,7 +49,7 @@ def test_float32_is_plain_autodiff(spec):
 def test_bfloat16_value_and_gradients(spec, out, cpu_float32, monkeypatch):
     """On CPU (these tests) w's gradient leaves its matmul in float32; `cpu_float32=False` is what GPU
     and TPU get: the output's dtype."""
-    monkeypatch.setattr(linear_module, "CPU_FLOAT32_WEIGHT_GRADIENTS", cpu_float32)
+    monkeypatch.setattr(linear_module, "traced_profile", lambda: backends.CPU if cpu_float32 else backends.GPU)
     x, w, kg = _inputs(*SPECS[spec], jnp.bfloat16)
     y, vjp = jax.vjp(lambda x, w: linear(spec, x, w, out=out), x, w)
     y0, vjp0 = jax.vjp(lambda x, w: _plain(spec, x, w, out), x, w)

@@ -85,3 +85,19 @@ def test_layouts_by_stage(stages):
     # the optimizer moments really live where the table says
     mu = stages[1]["state"].opt_state[1][0].mu["layers"]["mlp"]["gate"]
     assert str(mu.sharding.spec) == "P(None, 'dp', None)"
+
+
+@pytest.mark.parametrize("stage, sizes, refused", [
+    (0, {"fsdp": 2, "pp": 2}, True), (2, {"dp": 2, "pp": 2}, True), (3, {"fsdp": 2, "pp": 2}, False),
+    (None, {"fsdp": 2, "pp": 2}, False), (1, {"tp": 2, "pp": 2}, False),  # no data axis over 1 device
+])
+def test_stages_0_to_2_are_refused_with_a_pipeline(stage, sizes, refused):
+    from meshlm.errors import UsageError
+    from meshlm.strategy import check_pipelined, choose
+
+    strategy, _ = choose("default", stage, None)
+    check_pipelined(strategy, sizes, pipelined=False)
+    if not refused:
+        return check_pipelined(strategy, sizes, pipelined=True)
+    with pytest.raises(UsageError, match=f"--zero_stage={stage} with --pp"):
+        check_pipelined(strategy, sizes, pipelined=True)
