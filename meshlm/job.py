@@ -22,7 +22,6 @@ from meshlm.errors import UsageError, closest
 from meshlm.mesh import MeshShape
 from meshlm.models.configs import ModelConfig
 
-
 # The longest KV cache serving allocates unless --max_seq_len asks for more.
 SERVING_CONTEXT = 2048
 
@@ -49,7 +48,8 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
     """(model config, --init_from source) from --model, --model.FIELD, --init_from and the precision
     flags; `auto` dtype for `backend` (default: the one JAX runs on). Checks --seq_len against the
     model's context."""
-    from meshlm.models.configs import apply_overrides, resolve_model as preset_or_config
+    from meshlm.models.configs import apply_overrides
+    from meshlm.models.configs import resolve_model as preset_or_config
     from meshlm.platform import resolve_dtype
 
     cfg.section("precision").check()

@@ -103,7 +103,8 @@ def test_help_documents_every_flag():
 def test_train_end_to_end_on_a_mixed_mesh(tmp_path):
     """`meshlm train` on 8 simulated devices, 2,2,2,1, a local text corpus with its own BPE: every output is
     written and the loss falls."""
-    import textwrap, json as json_module  # noqa: E401  (stdlib sources make a learnable little corpus)
+    import json as json_module
+    import textwrap  # noqa: E401  (stdlib sources make a learnable little corpus)
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

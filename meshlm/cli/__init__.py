@@ -26,7 +26,8 @@ COMMANDS = {
 
 def version() -> str:
     """meshlm's installed version (the package metadata's), or "unknown" when run from an uninstalled tree."""
-    from importlib.metadata import PackageNotFoundError, version as installed
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
     try:
         return installed("meshlm")

@@ -114,8 +114,8 @@ def run(argv: list[str]) -> int:
     runs this in a supervised child, joins `jax.distributed` and compiles over all processes' devices;
     process 0 prints."""
     from meshlm import distributed
-    from meshlm.platform import configure_devices
     from meshlm.plan.hardware import CATALOG, hardware_key
+    from meshlm.platform import configure_devices
 
     raw = list(argv)
     argv, overrides = split_model_overrides(list(argv))

@@ -4,11 +4,33 @@ The commands build their parsers from the sections (`meshlm.cli.flags`); Python 
 `TrainConfig(...)` directly."""
 
 from meshlm.config.run import ATTRIBUTES, TrainConfig, flag_fields
-from meshlm.config.sections import (ATTENTION, DTYPES, LORA_TARGETS, PARAM_DTYPES, REMAT, SECTIONS, TRACKERS,
-                                    BatchConfig, ChatDataConfig, CheckpointConfig, ClusterConfig, DataConfig,
-                                    EvalConfig, LoggingConfig, LoraConfig, MeshConfig, ModelSection, OptimizerSection,
-                                    PipelineConfig, PrecisionConfig, TrackingConfig, check_dtype, check_lora,
-                                    check_positive, profile_range)
+from meshlm.config.sections import (
+                                    ATTENTION,
+                                    DTYPES,
+                                    LORA_TARGETS,
+                                    PARAM_DTYPES,
+                                    REMAT,
+                                    SECTIONS,
+                                    TRACKERS,
+                                    BatchConfig,
+                                    ChatDataConfig,
+                                    CheckpointConfig,
+                                    ClusterConfig,
+                                    DataConfig,
+                                    EvalConfig,
+                                    LoggingConfig,
+                                    LoraConfig,
+                                    MeshConfig,
+                                    ModelSection,
+                                    OptimizerSection,
+                                    PipelineConfig,
+                                    PrecisionConfig,
+                                    TrackingConfig,
+                                    check_dtype,
+                                    check_lora,
+                                    check_positive,
+                                    profile_range,
+)
 
 __all__ = ["ATTRIBUTES", "TrainConfig", "flag_fields", "ATTENTION", "DTYPES", "LORA_TARGETS", "PARAM_DTYPES", "REMAT",
            "SECTIONS", "TRACKERS", "BatchConfig", "ChatDataConfig", "CheckpointConfig", "ClusterConfig", "DataConfig",

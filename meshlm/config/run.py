@@ -11,9 +11,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from meshlm.config.sections import (SECTIONS, BatchConfig, ChatDataConfig, CheckpointConfig, ClusterConfig,
-                                    DataConfig, EvalConfig, LoggingConfig, LoraConfig, MeshConfig, ModelSection,
-                                    OptimizerSection, PipelineConfig, PrecisionConfig, TrackingConfig)
+from meshlm.config.sections import (
+    SECTIONS,
+    BatchConfig,
+    ChatDataConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    LoraConfig,
+    MeshConfig,
+    ModelSection,
+    OptimizerSection,
+    PipelineConfig,
+    PrecisionConfig,
+    TrackingConfig,
+)
 
 # Help-group title (`SECTIONS`) -> the attribute of `TrainConfig` that holds the section.
 ATTRIBUTES = {"mesh": "mesh", "cluster": "cluster", "model": "source", "pipeline": "pipeline", "batch": "batch",

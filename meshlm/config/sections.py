@@ -8,11 +8,11 @@ before anything else runs (`run`: the whole `meshlm.config.TrainConfig`, for che
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from meshlm.errors import UsageError
-from meshlm.models.lora_options import DEFAULT_TARGETS as LORA_TARGETS, check_lora
+from meshlm.models.lora_options import DEFAULT_TARGETS as LORA_TARGETS
+from meshlm.models.lora_options import check_lora
 from meshlm.models.remat import POLICIES as REMAT_POLICIES
 from meshlm.ops.kernel_names import KERNELS as ATTENTION
 

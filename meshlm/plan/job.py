@@ -10,7 +10,6 @@ the `--pipeline_schedule`, `--microbatches` and `--virtual_stages` the job uses 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -111,7 +110,7 @@ class Job:
                     found = f"{name} = {size} is not divisible by fsdp×sp = {shape.fsdp * shape.sp}"
         return found
 
-    def local(self, shape: MeshShape) -> "Local":
+    def local(self, shape: MeshShape) -> Local:
         return Local(self, shape)
 
 
