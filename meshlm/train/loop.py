@@ -175,7 +175,7 @@ def _train(cfg: TrainConfig, console) -> dict[str, Any]:
                       f"{cfg.batch_size} rows; --steps={cfg.steps} makes {cfg.steps / loader.steps_per_epoch:.3g} passes")
     schedule = {"lr": cfg.lr, "warmup_steps": warmup, "total_steps": schedule_steps, "min_lr_ratio": cfg.min_lr_ratio}
     run_meta = {"model": dataclasses.asdict(model_cfg), "mesh_dim": str(shape), "mesh": shape.flags, "seed": cfg.seed,
-                "schedule": schedule, "train": dataclasses.asdict(cfg)}
+                "schedule": schedule, "train": cfg.as_flags()}
     if lora is not None:
         run_meta["lora"] = lora_meta(lora, init_source, cfg.seed)
         console.print(f"LoRA: rank {lora.spec.rank}, alpha {lora.spec.alpha:g} on {len(lora.targets)} weights "
