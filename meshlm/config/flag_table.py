@@ -14,7 +14,8 @@ HEADER = """# Flags of `meshlm train`
 
 Every flag of `meshlm train` (and `meshlm explain`), by section, as `meshlm train --help` lists them; the
 model's own fields are set with `--model.FIELD=VALUE`. Written from `meshlm/config/sections.py` by
-`python -m meshlm.config.flag_table > docs/flags.md`; a test fails when the two differ.
+`python -m meshlm.config.flag_table > docs/flags.md`; a test fails when the two differ. How the flags
+are built and checked: [configuration.md](configuration.md).
 """
 
 
