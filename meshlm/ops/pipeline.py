@@ -243,6 +243,21 @@ def pipeline_value_and_grad(
     No rank branches on its own data: collectives inside a stage (tp, sp, fsdp) need every rank in
     step. A rank with nothing to do in a clock computes on its trash slot and throws the result away.
     """
+    per_rank = _rank_program(first_fn, stage_fn, head_fn, schedule, axis)
+    stage_spec = jax.tree.map(lambda _: P(axis), stage_params)
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    by_rank = P(None, axis)
+    fn = jax.shard_map(per_rank, mesh=mesh, axis_names={axis},
+                       in_specs=(rep(first_params), stage_spec, rep(head_params), rep(side), *(by_rank,) * 4),
+                       out_specs=(P(), rep(first_params), stage_spec, rep(head_params)), check_vma=False)
+    tables = (schedule.fwd, schedule.bwd, schedule.recv_act, schedule.recv_cot)
+    loss, gf, g, gh = fn(first_params, stage_params, head_params, side, *(jnp.asarray(a) for a in tables))
+    return loss, (gf, g, gh)
+
+
+def _rank_program(first_fn, stage_fn, head_fn, schedule: Schedule, axis: str):
+    """The program one pp rank runs inside `pipeline_value_and_grad`'s shard_map: the schedule's
+    clocks as scans, then the loss and the gradients summed over `axis`."""
     pp, S = schedule.pp, schedule.pp * schedule.virtual
     A, C = schedule.act_slots, schedule.cot_slots
     fwd_perm = [(r, (r + 1) % pp) for r in range(pp)]
@@ -314,12 +329,4 @@ def pipeline_value_and_grad(
         summed = lambda G, p: jax.lax.psum(G, axis).astype(p.dtype)  # noqa: E731
         return jax.lax.psum(loss, axis), jax.tree.map(summed, gf, first), g, jax.tree.map(summed, gh, head)
 
-    stage_spec = jax.tree.map(lambda _: P(axis), stage_params)
-    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    by_rank = P(None, axis)
-    fn = jax.shard_map(per_rank, mesh=mesh, axis_names={axis},
-                       in_specs=(rep(first_params), stage_spec, rep(head_params), rep(side), *(by_rank,) * 4),
-                       out_specs=(P(), rep(first_params), stage_spec, rep(head_params)), check_vma=False)
-    tables = (schedule.fwd, schedule.bwd, schedule.recv_act, schedule.recv_cot)
-    loss, gf, g, gh = fn(first_params, stage_params, head_params, side, *(jnp.asarray(a) for a in tables))
-    return loss, (gf, g, gh)
+    return per_rank

@@ -123,24 +123,29 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     add("all-reduce", ("tp",), (1 if summed else 2) * n * E * a, L * A, "mlp.in",
         "tp: sum input gradients of gate, up", False)
 
-    # RingAttention.
     s = sizes["sp"]
-    if s > 1:
-        kv, kv32, ids = n * loc.kv_heads * cfg.head_dim * a, n * loc.kv_heads * cfg.head_dim * 4, n * 4
-        rings = 2 if cfg.remat in RECOMPUTES_RING else 1
-        add("collective-permute", ("sp",), 2 * kv, s * L * A * rings, "attention", "ring: pass k, v (forward)")
-        add("collective-permute", ("sp",), 2 * ids, s * A, "attention", "ring: pass positions, segment ids (forward)")
-        add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, s * L * A, "attention",
-            "ring: pass k, v, ids and dk, dv accumulators (backward)")
-        # XLA:TPU casts the accumulators to the compute dtype before their last hop, and the recomputed
-        # forward ring sends positions and segment ids again.
-        add("collective-permute", ("sp",), 2 * (kv if backend == "tpu" else kv32), L * A, "attention",
-            "ring: send dk, dv home")
-        if backend == "tpu":
-            add("collective-permute", ("sp",), 2 * ids, s * L * A * (rings - 1), "attention",
-                "ring: pass positions, segment ids (recomputed forward)")
+    if s > 1:  # RingAttention
+        _ring(add, job, loc.kv_heads, n, a, s, backend)
 
     return list(out)
+
+
+def _ring(add, job: Job, kv_heads: int, n: int, a: int, s: int, backend: str) -> None:
+    """RingAttention's sends over sp (s > 1) for `predict`: n tokens per device, a bytes per activation."""
+    cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
+    kv, kv32, ids = n * kv_heads * cfg.head_dim * a, n * kv_heads * cfg.head_dim * 4, n * 4
+    rings = 2 if cfg.remat in RECOMPUTES_RING else 1
+    add("collective-permute", ("sp",), 2 * kv, s * L * A * rings, "attention", "ring: pass k, v (forward)")
+    add("collective-permute", ("sp",), 2 * ids, s * A, "attention", "ring: pass positions, segment ids (forward)")
+    add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, s * L * A, "attention",
+        "ring: pass k, v, ids and dk, dv accumulators (backward)")
+    # XLA:TPU casts the accumulators to the compute dtype before their last hop, and the recomputed
+    # forward ring sends positions and segment ids again.
+    add("collective-permute", ("sp",), 2 * (kv if backend == "tpu" else kv32), L * A, "attention",
+        "ring: send dk, dv home")
+    if backend == "tpu":
+        add("collective-permute", ("sp",), 2 * ids, s * L * A * (rings - 1), "attention",
+            "ring: pass positions, segment ids (recomputed forward)")
 
 
 def total_bytes(collectives: list[Collective]) -> dict[str, float]:
