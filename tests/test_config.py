@@ -50,3 +50,12 @@ def test_checks_across_sections_read_the_whole_run():
         TrainConfig(lora_rank=4, pp=2).validate()
     with pytest.raises(UsageError, match="starts after the last step"):
         TrainConfig(steps=3, profile_steps="5:6").validate()
+
+
+def test_copies_and_pickles_keep_every_section():
+    import copy
+    import pickle
+
+    cfg = TrainConfig(lr=1e-3, model_overrides={"n_layers": "2"})
+    for twin in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert twin.as_flags() == cfg.as_flags() and twin.batch is not cfg.batch

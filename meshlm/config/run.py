@@ -86,10 +86,10 @@ class TrainConfig:
         object.__setattr__(self, "given", frozenset(values))
 
     def __getattr__(self, name: str):
-        owner = OWNER.get(name)
-        if owner is None or name.startswith("_"):
+        section = self.__dict__.get(OWNER.get(name, ""))  # absent while a copy is being restored
+        if section is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self.__dict__[owner], name)
+        return getattr(section, name)
 
     def __setattr__(self, name: str, value) -> None:
         if name in OWNER:
