@@ -124,6 +124,8 @@ def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source,
 V5E_ONCHIP = 112 * 2**20
 
 
+# One entry a row or two, as the datasheets list them: the formatter leaves the table as written.
+# fmt: off
 CATALOG: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional (450 one way);
     # DGX H100: 8 GPUs, 8 x 400 Gb/s ConnectX-7 (50 GB/s per GPU). Peaks: meshlm.flops.PEAK_TABLE.
@@ -151,6 +153,7 @@ CATALOG: dict[str, Hardware] = {
     "tpu-v6e": _tpu("tpu-v6e", "TPU v6 lite", 32e9, 1.64e12, 90e9, 100e9 / 8, 256, 8,
                     "Cloud TPU v6e (Trillium) docs; scaling book; MaxText sharding guide"),
 }
+# fmt: on
 
 NAMES = (*CATALOG, "cpu")
 GPU_NAMES = tuple(name for name in CATALOG if backend_of(name) == "gpu")

@@ -125,12 +125,13 @@ def test_truncated_checkpoint_without_checksums_is_one_line_without_a_method_rep
 
 
 def test_error_line_gives_the_store_error_under_orbax_wrapper():
+    wrapper = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+               "details: <bound method pybind11_detail_function_record_v1_system_libstdcpp of spec>.")
     try:
         try:
             raise ValueError('OUT_OF_RANGE: Error reading "params.w/0"\nmore detail')
         except ValueError:
-            raise Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "  # noqa: B904 (the implicit chain is what Orbax raises)
-                            "details: <bound method pybind11_detail_function_record_v1_system_libstdcpp of spec>.")
+            raise Exception(wrapper)  # noqa: B904 (Orbax's wrapper chains implicitly, as here)
     except Exception as e:  # noqa: BLE001
         line = error_line(e)
     assert line == 'ValueError: OUT_OF_RANGE: Error reading "params.w/0"', line
