@@ -42,9 +42,9 @@ GPUS = [CATALOG[name] for name in GPU_NAMES]
 # v5p compiles (5 shapes × the 5 meshes of the table, none of them the table's cases), starting from
 # XLA:CPU's with the tables at half (XLA:TPU gathers the head in bfloat16, docs/plan.md) and the hoisted
 # cast; XLA:CPU's `lookup` correction is left out (the fit is as good without it).
-# v5e compiles the same program with the same buffers (with memory-space assignment turned off, `small`
-# tp's temporaries are 388.3 MB on v5e and 388.4 MB on v5p, `tiny` tp's 47.1 and 46.2 MB) and keeps part
-# of them in on-chip memory (`onchip_eligible`, `LOSS_PLACE`). GPUs and pipelines keep XLA:CPU's.
+# v5e compiles the same program with the same buffers (docs/plan.md, "Accuracy on TPU", compares them with
+# its on-chip memory turned off) and keeps part of them on chip (`onchip_eligible`, `LOSS_PLACE`). GPUs and
+# pipelines keep XLA:CPU's.
 PLACES = {
     "cpu": {
         "forward": {"tables": 3.98, "lookup": -2.0, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10,
@@ -61,22 +61,12 @@ PLACES = {
 }
 
 
-# On TPU v5e (`Hardware.onchip_bytes`, 112 MiB) XLA:TPU's memory-space assignment moves into VMEM what the
-# HBM peak would hold, up to that size. From the same program (the same `PLACES["tpu"]` sizes), the
-# compiled v5e step against v5p's (docs/plan.md, "Accuracy on TPU"; buffer assignments of libtpu 0.0.50.1
-# dumped with --xla_dump_to, layouts `S(1)` in the HLO):
-#   - `tiny` without sp: the whole working set is on chip (the VMEM allotment holds 27 to 52 MiB: the
-#     logits, the layer scan's saved activations, the gradient accumulators, the weights cast to bfloat16);
-#     HBM keeps the splash kernel's float32 residuals (2 MiB) and the heap's slack, 5.6 to 10.4 MB of
-#     temporaries where v5p's are 34 to 73 MB;
-#   - `small` and `1b`: the allotment is full (107 to 112 MiB) and HBM keeps what does not fit. `small`
-#     peaks at the loss with the float32 logits (125 MiB, more than VMEM), the head's float32 gradient, the
-#     gathered head and the cast weights in HBM, the saved activations (72 MiB with tp) on chip; `1b` where
-#     the backward pass starts, with the float32 gradient accumulators and the cast weights in HBM.
-# So each place holds `min(onchip, eligible)` less in HBM, eligible being all of its buffers; with sp, only
-# the ring's score blocks and the saved activations beyond one copy: `tiny` fsdp×sp peaks at 55 to 58 MB
-# at every shape and its allotment holds 24 MiB (the buffers live across the ring's loop stay in HBM),
-# and with `save_qkv_attn` it peaks 9.7 MB higher than with `full`, for 8.5 MB more saved activations.
+# On TPU v5e (`Hardware.onchip_bytes`) XLA:TPU's memory-space assignment moves into VMEM what the HBM peak
+# would hold, up to that size, from the same program (the same `PLACES["tpu"]` sizes): a small working set
+# goes on chip whole, a large one fills the allotment and HBM keeps the rest. So each place holds
+# `min(onchip, eligible)` less in HBM, eligible being all of its buffers; with sp, only the ring's score
+# blocks and the saved activations beyond one copy (the buffers live across the ring's loop stay in HBM).
+# docs/plan.md, "Accuracy on TPU", gives the compiled allotments and peaks this rests on.
 def onchip_eligible(held: dict[str, int], exact: dict[str, int], shape: MeshShape) -> int:
     """Bytes of one place's buffers (`held`: term -> bytes) that on-chip memory can take from HBM."""
     if shape.sp == 1:
