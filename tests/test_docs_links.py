@@ -25,12 +25,16 @@ OTHER_TOOLS = {"--model_args": "lm_eval", "--fix": "ruff check"}
 PATH = re.compile(r"(?<![\w./-])((?:meshlm|bench|tests|docs|examples|\.ci)/[\w./-]*\w)")
 MODULE = re.compile(r"(?<![\w./-])(meshlm(?:\.\w+)+)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_]*)")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # a markdown link's target, relative to its page
+
+
+def pages() -> list[Path]:
+    return [p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))) if p.exists()]
 
 
 def texts() -> dict[str, str]:
     """Each page's text and each meshlm module's docstring, by the path to name in a failure."""
-    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-    out = {str(p.relative_to(ROOT)): p.read_text() for p in pages if p.exists()}
+    out = {str(p.relative_to(ROOT)): p.read_text() for p in pages()}
     for path in sorted((ROOT / "meshlm").rglob("*.py")):
         docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
         if docstring:
@@ -107,6 +111,12 @@ def test_named_paths_exist():
     assert not missing, "paths named that the tree does not hold:\n" + "\n".join(missing)
 
 
+def test_linked_pages_exist():
+    missing = [f"{page.relative_to(ROOT)}: {target}" for page in pages() for target in LINK.findall(page.read_text())
+               if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists()]
+    assert not missing, "links to files the tree does not hold:\n" + "\n".join(missing)
+
+
 def test_named_non_files_are_made_by_their_code():
     for name, maker in NOT_FILES.items():
         prefix = name.rsplit("/", 2)[0] if name.startswith("meshlm/") else Path(name).name
@@ -127,8 +137,23 @@ def test_named_flags_exist():
     assert not missing, "flags named that no parser defines:\n" + "\n".join(missing)
 
 
+# Modules whose docstrings say what they hold in a screen; the reasoning is on their docs page.
+SHORT_DOCSTRINGS = ["meshlm/plan", "meshlm/explain", "meshlm/data", "meshlm/eval", "meshlm/hlo.py", "meshlm/mesh.py",
+                    "meshlm/distributed.py", "meshlm/ops/attention.py", "meshlm/ops/ring.py", "meshlm/ops/splash.py",
+                    "meshlm/ops/decode.py", "meshlm/ops/pipeline.py"]
+
+
+def test_module_docstrings_fit_a_screen():
+    paths = [p for name in SHORT_DOCSTRINGS for p in sorted((ROOT / name).rglob("*.py") if (ROOT / name).is_dir()
+                                                             else [ROOT / name])]
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in paths
+            if (n := len((ast.get_docstring(ast.parse(p.read_text()), clean=False) or "").splitlines())) > 15]
+    assert not long, "module docstrings over 15 lines (move the essay to docs/):\n" + "\n".join(long)
+
+
 def test_a_stale_name_is_caught():
     assert missing_module("meshlm.ops.linear.NO_SUCH_NAME") == "meshlm.ops.linear has no NO_SUCH_NAME"
     assert missing_module("meshlm.no_such_package.x") == "meshlm has no no_such_package"
     assert missing_module("meshlm.serve") is None and missing_module("meshlm.flops.PEAK_TABLE") is None
     assert "--no_such_flag" not in known_flags()
+    assert LINK.findall("[plan](docs/plan.md#flags) and [site](https://example.org)") == ["docs/plan.md", "https://example.org"]

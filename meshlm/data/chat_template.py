@@ -1,27 +1,16 @@
 """Chat messages to one prompt string, through a Jinja chat template: the one renderer that serving
 (`meshlm.serve.api`) and chat fine-tuning data (`meshlm.data.chat`) share.
 
-A Hugging Face model folder says how its model was trained to see a conversation: a Jinja template
-(`template_beside` finds it beside a tokenizer.json; `meshlm.serve.loading.read_chat_template` in a
-model folder). It is rendered the way `transformers` renders
-it (a sandboxed environment, `trim_blocks`/`lstrip_blocks`, `messages`, `add_generation_prompt`,
-`bos_token`, `eos_token`, `raise_exception`). A model without one gets `DEFAULT_TEMPLATE`, a plain
-transcript:
-
-    System: You are terse.
-
-    User: Hi!
-
-    Assistant:
-
-and generation stops before the model writes the user's next turn itself (`ChatTemplate.stop`).
+A model's own template (`template_beside` finds it beside a tokenizer.json) is rendered the way
+`transformers` renders it; a model without one gets `DEFAULT_TEMPLATE`, a plain transcript whose
+generation stops before the model writes the user's next turn (`ChatTemplate.stop`). Built-in
+templates by name (`BUILTIN`: `plain`, `chatml`) or a Jinja file are chosen by `resolve_chat_template`
+(`meshlm train --chat_template=NAME|PATH`).
 
     template = ChatTemplate.from_source(model.chat_template, bos_token="<s>", eos_token="</s>")
     prompt = template.render([{"role": "user", "content": "Hi!"}])
 
-Tokenizers without a template of their own can be given a built-in one by name (`BUILTIN`:
-`plain`, the transcript above, and `chatml`, turns between <|im_start|> ROLE and <|im_end|>) or a
-Jinja file (`resolve_chat_template`, behind `meshlm train --chat_template=NAME|PATH`).
+docs/data.md, "Chat templates", says how a template is rendered and found.
 """
 
 from __future__ import annotations
