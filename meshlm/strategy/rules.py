@@ -11,16 +11,11 @@
     range = [0, 15]
     strategy = "dp"
 
-Parameter paths are the keys of the parameter tree joined by `/`: `embed`, `layers/mlp/gate`, and with
-`[[layers]]` groups `layers/0-15/mlp/gate`. Patterns are searched (`re.search`) in the path. A spec
-has one entry per dimension of the stored array (`""` or `[]` for a whole dimension, TOML having no
-null; a mesh axis; or a list of them); for stacked layer
-parameters it may leave out the leading layers dimension, which then follows the table (pp). A rule
-sets the parameter's gradient and optimizer-state layout too. Mesh axes of size 1 drop out.
-
-Never resolved silently: a rule that matches nothing, a rule that never applies because an earlier
-one takes its parameters first, overlapping layer ranges, a spec that names one mesh axis twice or
-does not divide the parameter's shape are each a one-line `UsageError` naming the rule and parameter.
+Parameter paths are the parameter tree's keys joined by `/` (`layers/mlp/gate`; with `[[layers]]`
+groups `layers/0-15/mlp/gate`), searched with `re.search`. A spec has one entry per dimension of the
+stored array (`""` or `[]` for whole); it sets the gradient's and optimizer state's layout too. A rule
+that matches nothing or never applies, overlapping ranges, and a spec that repeats or does not divide
+are one-line `UsageError`s. docs/strategies.md ("The rules file") has the whole format.
 """
 
 from __future__ import annotations
