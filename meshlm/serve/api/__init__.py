@@ -10,8 +10,7 @@
     completions  the two generation endpoints: batches of prompts, echo, log-probabilities, limits
     logprobs     log-probabilities in OpenAI's shapes
     replies      whole and streamed (server-sent events) replies, cancelling on hang-up
-    routes       the app: routes, error handlers, the chat page (static/), `create_app`
-    docs         the /docs page
-    timeouts     deadlines for a request's head and body (uvicorn's h11 protocol)
+    routes       the app: routes, error handlers, the chat page (static/), /docs (docs.py), `create_app`
     server       the socket, the uvicorn server, shutdown and signals: `bind`, `make_server`, `serve`
+    timeouts     deadlines for a request's head and body (uvicorn's h11 protocol)
 """
