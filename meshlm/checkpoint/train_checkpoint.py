@@ -82,6 +82,19 @@ def another_step(directory: Path, step: int) -> str:
     return f"pass --step={good}" + (f" (steps there: {', '.join(map(str, others))})" if len(others) > 1 else "")
 
 
+def read_meta(directory: Path, step: int) -> dict:
+    """The metadata a step of a Checkpointer folder records (opened read-only: a running run's save in
+    progress is left alone)."""
+    from meshlm.checkpoint.manager import Checkpointer, reads_that_may_fail
+
+    ckpt = Checkpointer(directory, async_save=False, read_only=True)
+    try:
+        with reads_that_may_fail():
+            return ckpt.meta(step)
+    finally:
+        ckpt.close()
+
+
 def config_from_meta(model: dict) -> ModelConfig:
     """The ModelConfig saved in a checkpoint's meta["model"] (dataclasses.asdict form)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -97,7 +110,7 @@ class TrainCheckpoint(WholeLeafSource):
     def __init__(self, path: str | Path, step: int | None = None):
         import orbax.checkpoint as ocp
 
-        from meshlm.checkpoint.manager import Checkpointer, reads_that_may_fail
+        from meshlm.checkpoint.manager import reads_that_may_fail
 
         directory, self.step, run_dir = find_checkpoint(path, step)
         self.where = str(directory / str(self.step))
@@ -105,14 +118,10 @@ class TrainCheckpoint(WholeLeafSource):
         mismatch = checksums.first_mismatch(directory / str(self.step))
         if mismatch:
             raise UsageError(f"checkpoint {self.where} is incomplete or corrupt ({mismatch}); {self._instead}")
-        ckpt = Checkpointer(directory, async_save=False, read_only=True)
         try:
-            with reads_that_may_fail():
-                meta = ckpt.meta(self.step)
+            meta = read_meta(directory, self.step)
         except Exception as e:  # noqa: BLE001  (unreadable metadata: a broken checkpoint)
             raise UsageError(f"checkpoint {self.where} has unreadable metadata ({type(e).__name__}); {self._instead}") from None
-        finally:
-            ckpt.close()
         if "model" not in meta:
             raise UsageError(f"checkpoint {self.where} records no model config; it was not written by meshlm train")
         if meta.get("lora"):
@@ -175,4 +184,4 @@ class TrainCheckpoint(WholeLeafSource):
         self._ckptr.close()
 
 
-__all__ = ["TrainCheckpoint", "find_checkpoint", "is_train_checkpoint", "config_from_meta"]
+__all__ = ["TrainCheckpoint", "find_checkpoint", "is_train_checkpoint", "config_from_meta", "read_meta"]

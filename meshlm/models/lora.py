@@ -10,11 +10,8 @@ wo [H, D, E]: H and D), so the adapter is exactly the one a Hugging Face Linear 
 [out, in] would get: A = lora_A.weightᵀ, B = lora_B.weightᵀ, with the in and out axes flattened in
 order. The adapters keep their weight's logical axes on either side of a `lora_rank` axis (wq's A is
 ("layers", "embed", "lora_rank"), its B ("layers", "lora_rank", "heads", "head_dim")), so the same
-strategy tables lay them out; `lora_rank` is always whole.
-
-Training differentiates only the adapters; inside the layer scan each layer's adapters are merged into
-that layer's weights (`Placement.stream(..., extra=, adapt=)`), so no full-size gradient of all layers
-is ever held.
+strategy tables lay them out; `lora_rank` is always whole. Training merges each layer's adapters
+inside the layer scan (`Placement.stream(..., extra=, adapt=)`; docs/lora.md).
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshlm import sharding
@@ -189,12 +187,17 @@ def merge_tree(base: Any, adapters: Any, scale: float) -> Any:
 
 
 def merged_weight(w, a, b, scale: float):
-    """W + scale·A·B, contracting the rank axis; a leading stacked-layers axis is kept (batched)."""
+    """W + scale·A·B in A's dtype, contracting the rank axis; a leading stacked-layers axis is kept
+    (batched). The one merge of LoRA: traced on jax arrays (training, serving), on the host for numpy
+    ones (an export reads and merges one layer at a time)."""
     lead = a.ndim + b.ndim - 2 - w.ndim
-    n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
-    letters = "abcdefghijklmnopq"
-    L, I, O = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
-    delta = jnp.einsum(f"{L}{I}z,{L}z{O}->{L}{I}{O}", a, b)
+    if isinstance(a, np.ndarray) and lead == 0:
+        delta = np.tensordot(a, b, axes=([-1], [0]))
+    else:
+        n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
+        letters = "abcdefghijklmnopq"
+        L, I, O = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
+        delta = (np if isinstance(a, np.ndarray) else jnp).einsum(f"{L}{I}z,{L}z{O}->{L}{I}{O}", a, b)
     return w.astype(a.dtype) + scale * delta
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
 _console = None
 
 
 def run_console(quiet: bool = False, **kw):
     """A rich Console for a run's log: lines never wrap (a log file or a pipe, which rich would cut at 80
     columns, keeps every message on one line), and `quiet` prints nothing (processes other than 0)."""
-    from rich.console import Console
-
     console = Console(quiet=quiet, soft_wrap=True, **kw)
     if not console.is_terminal and "width" not in kw:  # the final progress bar of a log: a wide one
         console = Console(quiet=quiet, soft_wrap=True, width=max(console.width, 160), **kw)
@@ -73,9 +75,6 @@ class TrainProgress:
 
     def __enter__(self) -> "TrainProgress":
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            from rich.progress import TimeElapsedColumn, TimeRemainingColumn
-
             self._progress = Progress(
                 TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
                 TimeRemainingColumn(), TextColumn("{task.description}"),

@@ -6,10 +6,6 @@ a small device array (one tiny asynchronous computation); the loop reads it only
 device anyway, at log steps and before a checkpoint is saved, so no checkpoint ever holds the weights
 of a step that went NaN.
 
-    watch = NonFiniteWatch()
-    state, metrics = step_fn(state, batch); watch.observe(step, metrics)
-    if (bad := watch.check(step)) is not None: print(bad.what())   # "the loss became nan"
-
 What caused it decides the advice (`NonFinite.cause`, `meshlm.train.report.diverged`): weights that were
 not finite when the run started, a batch with token ids outside the vocabulary, a loss that was not finite at
 the run's first step (computed before any update), or finite steps and then not: only the last is the
@@ -24,6 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm.errors import UsageError
+from meshlm.ops import kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +69,6 @@ class NonFiniteWatch:
     docstring); with `vocab_size`, also the first host batch with a token id outside the vocabulary."""
 
     def __init__(self, vocab_size: int | None = None):
-        import jax
-        import jax.numpy as jnp
-
         def fold(seen, step, loss, grad_norm):
             loss, grad_norm = loss.astype(jnp.float32), grad_norm.astype(jnp.float32)
             bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
@@ -91,8 +91,6 @@ class NonFiniteWatch:
     def observe(self, step: int, metrics: dict, batch: dict | None = None) -> None:
         """Fold one step's metrics in (asynchronous: nothing waits for the step to finish). `batch`: the
         step's host batch, whose ids are checked against `vocab_size` (a min and a max on the host)."""
-        import numpy as np
-
         if batch is not None and self.vocab_size is not None and self.bad_ids is None:
             for ids in (batch["inputs"], batch["targets"][:, -1]):  # every id of the rows, read once
                 low, high = int(ids.min()), int(ids.max())
@@ -107,8 +105,6 @@ class NonFiniteWatch:
     def check(self, step: int, params=None) -> NonFinite | None:
         """The first bad step seen so far, or None (waits for the steps observed so far). With `params`
         (before a save), weights that are not all finite after `step` are bad too."""
-        import jax
-
         bad = None
         if self._seen is not None:
             first, loss, grad_norm = (float(v) for v in jax.device_get(self._seen))
@@ -135,8 +131,6 @@ class StepProfiler:
         """Start tracing when `step` is the first profiled step this run reaches; the line to log, or None."""
         if not self.enabled or self.active or step > self.steps[1] or step != max(self.steps[0], first_step):
             return None
-        import jax
-
         self.directory.mkdir(parents=True, exist_ok=True)
         jax.profiler.start_trace(str(self.directory))
         self.active = True
@@ -146,8 +140,6 @@ class StepProfiler:
         """Stop after the last profiled step (waiting for it to finish); the line to log, or None."""
         if not self.active or step < self.steps[1]:
             return None
-        import jax
-
         jax.block_until_ready(state)
         return self.close()
 
@@ -155,8 +147,6 @@ class StepProfiler:
         """Stop a trace still running (the loop ended early); the line naming the trace file."""
         if not self.active:
             return None
-        import jax
-
         jax.profiler.stop_trace()
         self.active = False
         traces = sorted(self.directory.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
@@ -171,9 +161,6 @@ class DocumentsWatch:
     id of a row is its number of documents."""
 
     def __init__(self, model_cfg, seq_len: int, *, ring: bool, platform: str, gpu_capability: float | None):
-        from meshlm.errors import UsageError
-        from meshlm.ops import kernels
-
         call = kernels.Call(platform=platform, q_len=seq_len, kv_len=seq_len, head_dim=model_cfg.head_dim,
                             dtype=model_cfg.dtype, packed=True, causal=True, gpu_capability=gpu_capability)  # fmt: skip
         try:

@@ -23,10 +23,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from meshlm.errors import UsageError
-from meshlm.train.console import TrainProgress, format_metrics, plural, print_metrics_line
+import jax
 
+from meshlm.errors import UsageError
 from meshlm.flops import detect_peak_flops, matmul_probe
+from meshlm.train.console import TrainProgress, format_metrics, plural, print_metrics_line
+from meshlm.train import plot
+from meshlm.train.tracking import open_tracker
+
 
 def resolve_peak(peak_tflops: float | None, dtype: str) -> tuple[float, str]:
     """Peak FLOP/s per device for MFU, and a sentence saying where it came from.
@@ -40,8 +44,6 @@ def resolve_peak(peak_tflops: float | None, dtype: str) -> tuple[float, str]:
         if not peak_tflops > 0:
             raise UsageError(f"--peak_tflops={peak_tflops} must be a positive number of TFLOP/s per device")
         return peak_tflops * 1e12, f"--peak_tflops={peak_tflops:g}"
-    import jax
-
     dev = jax.devices()[0]
     if dev.platform != "cpu":
         found = detect_peak_flops(dev, dtype)
@@ -100,8 +102,6 @@ class MetricsLogger:
             self._file = open(path, "a", buffering=1)
             if torn:  # a run killed mid-line: the next row starts on a line of its own
                 self._file.write("\n")
-            from meshlm.train.tracking import open_tracker
-
             self._tb = open_tracker(tracker, self.output_dir, config=run_config)
 
     def should_log(self, step: int) -> bool:
@@ -160,9 +160,7 @@ class MetricsLogger:
         """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""
         if not self.enabled or not self._close_files():
             return
-        from meshlm.train.plot import plot_run, read_metrics
-
-        plot_run(self.output_dir / "loss.png", read_metrics(self.output_dir / "metrics.jsonl"),
+        plot.plot_run(self.output_dir / "loss.png", plot.read_metrics(self.output_dir / "metrics.jsonl"),
                  title if title is not None else self.title)
 
     def __enter__(self) -> "MetricsLogger":

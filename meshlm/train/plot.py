@@ -65,7 +65,8 @@ def plot_run(png: str | Path, rows: list[dict], title: str = "") -> bool:
     train, evals = curves(rows)
     if not train and not evals:
         return False
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg without touching pyplot's global state
+    # lazy: matplotlib loads only when a finished run draws its curves; Agg without touching pyplot's global state
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4), dpi=100)

@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from meshlm.optimizer import OptimizerConfig, lr_schedule
 from meshlm.train.console import plural
 
 
@@ -110,8 +111,6 @@ def schedule_change(before: dict | None, now: dict, step: int, steps: int) -> st
     flags that keep the original schedule; None when the schedule is the same."""
     if before is None or (before["total_steps"], before["warmup_steps"]) == (now["total_steps"], now["warmup_steps"]):
         return None
-    from meshlm.optimizer import OptimizerConfig, lr_schedule
-
     def rate(s: dict) -> float:
         cfg = OptimizerConfig(lr=s.get("lr") or now["lr"], warmup_steps=s["warmup_steps"], total_steps=s["total_steps"],
                               min_lr_ratio=s.get("min_lr_ratio") if s.get("min_lr_ratio") is not None else now["min_lr_ratio"])

@@ -10,9 +10,9 @@ Three gradient paths share one micro-batcher (`sharding.micro_batches`): the pip
 (`--pp`); ZeRO 0-2, each data shard in a `shard_map` with one all-reduce or reduce-scatter a gradient;
 otherwise XLA's partitioner places the collectives. The job refuses options they cannot combine.
 
-With LoRA (`lora=`, a `meshlm.models.lora.LoraPlacement`) the state's params are {"base", "lora"}: the
-gradients, the clipping and the AdamW update are the adapters' alone, and the frozen base passes
-through the step untouched (donated, so not copied).
+Which parameters train is a `meshlm.train.trainable.Trainable` (`trainable=`; None: every weight): the
+gradients, the clipping and the AdamW update are its trained tree's alone, and a frozen tree (LoRA's
+base) passes through the step untouched (donated, so not copied).
 """
 
 from __future__ import annotations
@@ -31,25 +31,14 @@ from meshlm.models.pipelined import pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
 from meshlm.train.state import TrainState, state_shardings
+from meshlm.train.trainable import Trainable, model_loss_sums as loss_sums, trained_by
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
-def loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(sum of token losses, number of counted tokens) for one (micro-)batch. The model runs as
-    `Placement.apply` runs it, but the head and the loss run as one (`Llama.head_loss`): the logits are
-    computed `cfg.loss_chunk` positions at a time and never held for the whole batch."""
-    x = placement.stream(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    with sharding.activate(placement.mesh, placement.strategy):
-        return placement.structure.head_loss(x, batch["targets"], batch["loss_mask"], params)
-
-
-def _grad_fn(placement: Placement, lora=None) -> Callable:
-    """`f(trained, batch, frozen) -> ((loss sum, count), gradients of the trained tree)`: the params, or
-    with `lora` the adapters over the frozen base."""
-    if lora is None:
-        return jax.value_and_grad(lambda p, b, _: loss_sums(placement, p, b), has_aux=True)
-    return jax.value_and_grad(lambda a, b, base: lora.loss_sums(placement, base, a, b), has_aux=True)
+def _grad_fn(placement: Placement, trainable: Trainable) -> Callable:
+    """`f(trained, batch, frozen) -> ((loss sum, count), gradients of the trained tree)`."""
+    return jax.value_and_grad(lambda t, b, f: trainable.loss_sums(placement, t, b, f), has_aux=True)
 
 
 def _loss_grad_sums(grad_fn: Callable, params: Any, batch: dict, frozen: Any, grad_accum: int, layout: tuple = ()):
@@ -82,7 +71,7 @@ def _combine(g: jax.Array, spec: jax.sharding.PartitionSpec, data: tuple[str, ..
     return g
 
 
-def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=None) -> Callable:
+def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, trainable: Trainable | None = None) -> Callable:
     """ZeRO stages 0–2: `f(params, batch, frozen) -> (loss sum, token count, summed gradients)`, each data
     shard working on its own rows with the whole (replicated) weights, one collective per gradient."""
     mesh = placement.mesh
@@ -91,11 +80,9 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, lora=Non
                                 groups=tuple(dataclasses.replace(g, strategy=sharding.without_axes(g.strategy, data))
                                              for g in placement.groups))
     local.structure  # noqa: B018  built (abstractly) here: no parameter can be declared inside the shard_map
-    grad_fn = _grad_fn(local, lora)
-    grad_specs = placement.gradient_specs
-    frozen_specs = None
-    if lora is not None:
-        grad_specs, frozen_specs = lora.grad_specs, placement.specs
+    trainable = trained_by(placement, trainable)
+    grad_fn = _grad_fn(local, trainable)
+    grad_specs, frozen_specs = trainable.grad_specs, trainable.frozen_specs
     P = jax.sharding.PartitionSpec
 
     def body(params, batch, frozen):
@@ -120,18 +107,19 @@ def make_train_step(
     schedule: optax.Schedule | None = None,
     grad_accum: int = 1,
     pipeline: Schedule | None = None,
-    lora=None,
+    trainable: Trainable | None = None,
     compiler_options: dict | None = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """`step(state, batch) -> (state, metrics)`; the state's buffers are donated (updated in place).
 
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
-    (`meshlm.models.pipelined`); the update is the same. With `lora`, only the adapters train. The
+    (`meshlm.models.pipelined`); the update is the same. `trainable`: which parameters train. The
     program compiles with its backend profile's options (`program_options`), and `compiler_options`
     on top of them."""
-    mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, lora)
+    trainable = trained_by(placement, trainable)
+    mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, trainable)
     update = optax.with_extra_args_support(optimizer).update
-    grad_specs = lora.grad_specs if lora is not None else placement.gradient_specs
+    grad_specs = trainable.grad_specs
     profile = backends.profile_for(placement.platform)
     # Where the profile asks for it (XLA:CPU), gradients split over the data axes take their norm in one
     # reduction across devices (docs/kernels.md, "Backend profiles").
@@ -142,18 +130,18 @@ def make_train_step(
         return sharding.global_norm(grads, placement.mesh, grad_specs) if split else optax.tree.norm(grads)
 
     def step(state: TrainState, batch: dict):
-        trained, frozen = (state.params["lora"], state.params["base"]) if lora is not None else (state.params, None)
+        trained, frozen = trainable.split(state.params)
         nll, count, grads = mean_loss_grads(trained, batch, frozen)
         grad_norm = norm_of(grads)  # once, for the clip and the metric
         updates, opt_state = update(grads, state.opt_state, trained, grad_norm=grad_norm)
         trained = optax.apply_updates(trained, updates)
-        params = {"base": frozen, "lora": trained} if lora is not None else trained
+        params = trainable.join(trained, frozen)
         metrics = {"loss": nll / jnp.maximum(count, 1.0), "grad_norm": grad_norm, "tokens": count}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    shardings = state_shardings(placement, optimizer, lora)
+    shardings = state_shardings(placement, optimizer, trainable)
     batch_shardings = {k: sharding.batch_sharding(placement.mesh, placement.strategy) for k in BATCH_KEYS}
     profile.keep_host_memory()  # where the profile asks: each step's scratch stays mapped for the next
     return jax.jit(
@@ -174,19 +162,20 @@ def program_options(placement: Placement, *, pipelined: bool = False, extra: dic
 
 
 def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None,
-                    lora=None) -> Callable:
+                    trainable: Trainable | None = None) -> Callable:
     """`f(params, batch, frozen=None) -> (sum of token losses, token count, gradients of the mean loss)`,
     the gradients in the placement's gradient layout; the mean is over max(count, 1) tokens (zero
-    gradients when no token counts). Traceable (the train step's first half). With `lora`, `params`
-    are the adapters and `frozen` the base weights."""
-    grad_fn = _grad_fn(placement, lora)
+    gradients when no token counts). Traceable (the train step's first half). `params` is the trained
+    tree of `trainable` (every weight when None), `frozen` the rest."""
+    trainable = trained_by(placement, trainable)
+    grad_fn = _grad_fn(placement, trainable)
     stage = placement.strategy.zero_stage  # with --pp, stages 0-2 are refused by the job (`strategy.check_pipelined`)
     explicit = pipeline is None and stage is not None and stage < 3 and placement.strategy.data_axes(placement.mesh)
-    if lora is not None and pipeline is not None:
+    if pipeline is not None and not trainable.pipelines:
         raise UsageError("--lora_rank with --pp: LoRA does not run pipelined yet; drop --pp (or pp: in --mesh_dim)")
-    local_grads = data_parallel_loss_grads(placement, grad_accum, lora) if explicit else None
+    local_grads = data_parallel_loss_grads(placement, grad_accum, trainable) if explicit else None
     layout = (placement.mesh, placement.strategy)
-    grad_shardings = lora.grad_shardings if lora is not None else placement.grad_shardings
+    grad_shardings = trainable.grad_shardings
 
     def mean_loss_grads(params, batch, frozen=None):
         if pipeline is not None:  # gradients already over max(count, 1); its count is clamped: report the true one
@@ -234,18 +223,22 @@ def abstract_batch(placement: Placement, batch_size: int, seq_len: int) -> dict:
 
 
 def compile_step(placement: Placement, optimizer: optax.GradientTransformation, batch_size: int, seq_len: int,
-                 grad_accum: int = 1, schedule: optax.Schedule | None = None, with_grads: bool = True, lora=None):
+                 grad_accum: int = 1, schedule: optax.Schedule | None = None, with_grads: bool = True,
+                 trainable: Trainable | None = None):
     """(compiled train step, compiled gradient function or None, abstract batch), nothing allocated. The
     compiled step can be called like the jitted one; the gradient function's outputs are the step's gradients."""
     from meshlm.train.state import abstract_state
 
-    state, batch = abstract_state(placement, optimizer, lora), abstract_batch(placement, batch_size, seq_len)
-    step = make_train_step(placement, optimizer, schedule, grad_accum, lora=lora).lower(state, batch).compile()
+    trainable = trained_by(placement, trainable)
+    state, batch = abstract_state(placement, optimizer, trainable), abstract_batch(placement, batch_size, seq_len)
+    step = make_train_step(placement, optimizer, schedule, grad_accum, trainable=trainable).lower(state, batch).compile()
     if not with_grads:
         return step, None, batch
-    loss_grads = make_loss_grads(placement, grad_accum, lora=lora)
-    if lora is not None:
-        grads = jax.jit(lambda p, b: loss_grads(p["lora"], b, p["base"])[2], out_shardings=lora.grad_shardings)
-    else:
-        grads = jax.jit(lambda p, b: loss_grads(p, b)[2], out_shardings=placement.grad_shardings)
+    loss_grads = make_loss_grads(placement, grad_accum, trainable=trainable)
+
+    def grads_of(params, batch):
+        trained, frozen = trainable.split(params)
+        return loss_grads(trained, batch, frozen)[2]
+
+    grads = jax.jit(grads_of, out_shardings=trainable.grad_shardings)
     return step, grads.lower(state.params, batch).compile(), batch

@@ -21,12 +21,11 @@ from meshlm.config import TRACKERS
 from meshlm.errors import UsageError
 
 
-
 class TensorBoardTracker:
     """Scalars into `<run>/tb` event files."""
 
     def __init__(self, output_dir: Path):
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter  # lazy: protobuf and its kin load only for --tracker=tensorboard
 
         self._writer = SummaryWriter(str(output_dir / "tb"))
 

@@ -16,7 +16,8 @@ from meshlm.checkpoint.weights import load_params, read_model_config
 from meshlm.cli import main
 from meshlm.models.lora import DEFAULT_TARGETS, LoraSpec, place_lora
 from meshlm.models.placement import place
-from meshlm.train.state import TrainState, checkpointed, lora_meta
+from meshlm.train.state import TrainState, checkpointed
+from meshlm.train.trainable import LoraTraining
 from tests.support.hf import hf_folder_logits, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama
 
 SPEC = LoraSpec(rank=4, alpha=8.0, targets=DEFAULT_TARGETS + "|^lm_head$")
@@ -40,8 +41,9 @@ def run(tmp_path_factory):
     def save(base, name):
         """The run's checkpoint in root/name, recording `base` as its --init_from folder."""
         ckpt = Checkpointer(root / name / "checkpoints", async_save=False)
-        ckpt.save(3, checkpointed(state, lora), {"position": 0},
-                  {"model": dataclasses.asdict(cfg), "lora": lora_meta(lora, base, 0)})
+        trainable = LoraTraining(lora)
+        ckpt.save(3, checkpointed(state, trainable), {"position": 0},
+                  {"model": dataclasses.asdict(cfg), **trainable.meta(base, 0)})
         ckpt.close()
         return root / name
 
@@ -136,3 +138,22 @@ def test_peft_export_after_convert_names_the_hugging_face_base(run, capsys):
     assert not (root / "peft2").exists()
     assert main(["export", f"--checkpoint={checkpoint}", f"--out={root / 'peft2'}", "--lora_format=peft",
                  f"--base={root / 'base'}"]) == 0
+
+
+def test_lora_checkpoint_is_a_weight_source_merged_alike_on_host_and_mesh(run):
+    """One reader for LoRA checkpoints: its host blocks (what --merge writes) and its placement on a mesh
+    (what serving loads) hold the same merged weights, whose logits are the run's."""
+    from meshlm.checkpoint.hf_map import get_path, leaves
+    from meshlm.checkpoint.lora_checkpoint import LoraCheckpoint, lora_meta
+    from meshlm.checkpoint.source import Source
+
+    assert lora_meta(run["root"] / "run")["lora"]["rank"] == 4
+    assert lora_meta(run["root"] / "base") is None
+    placement = place(run["cfg"], mesh_of("1,2,2,1"))
+    with LoraCheckpoint(run["root"] / "run") as source:
+        assert isinstance(source, Source)
+        on_mesh = jax.device_get(source.load(placement))
+        for leaf in leaves(source.cfg):
+            host = np.stack([source.block(leaf, i) for i in leaf.blocks()]) if leaf.layers else source.block(leaf, None)
+            np.testing.assert_allclose(get_path(on_mesh, leaf.path), host, rtol=1e-6, atol=1e-6, err_msg=leaf.name)
+    np.testing.assert_allclose(meshlm_logits(placement, on_mesh, run["tokens"]), run["logits"], atol=1e-4)

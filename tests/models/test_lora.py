@@ -49,3 +49,15 @@ def test_init_is_the_base_model_and_the_same_on_every_mesh():
     for (path, x), y in zip(flatten(jax.device_get(one)).items(), flatten(jax.device_get(eight)).values()):
         np.testing.assert_array_equal(x, y, err_msg=path)
         assert (np.abs(x).max() > 0) == path.endswith("/a"), path  # A random, B zero
+
+
+def test_merged_weight_on_the_host_matches_the_traced_one():
+    """The one merge: numpy arrays (an export, one layer at a time) merge on the host as the export always
+    did (float32 tensordot), jax arrays (training, serving) by the batched einsum, to float32 rounding."""
+    rng = np.random.default_rng(0)
+    w, a, b = (rng.normal(size=s).astype(np.float32) for s in ((3, 8, 2, 4), (3, 8, 4), (3, 4, 2, 4)))
+    host = merged_weight(w[1], a[1], b[1], 0.5)
+    assert isinstance(host, np.ndarray) and host.dtype == np.float32
+    np.testing.assert_array_equal(host, w[1] + 0.5 * np.tensordot(a[1], b[1], axes=([-1], [0])))
+    traced = np.asarray(jax.jit(merged_weight, static_argnums=3)(w, a, b, 0.5))
+    np.testing.assert_allclose(traced[1], host, rtol=1e-6, atol=1e-6)

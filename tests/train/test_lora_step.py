@@ -10,6 +10,7 @@ from meshlm.models.placement import place
 from meshlm.optimizer import lr_schedule, make_optimizer
 from meshlm.train.state import abstract_state, create_train_state
 from meshlm.train.step import make_train_step, put_batch, sequence_permutation
+from meshlm.train.trainable import LoraTraining
 from tests.support.training import CFG, OPT, T, make_batches, mesh_for
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -17,11 +18,11 @@ SPEC = LoraSpec(rank=4, alpha=8.0)
 
 def lora_run(dims: str, spec=SPEC):
     placement = place(CFG, mesh_for(dims))
-    lora = place_lora(placement, spec)
+    lora = LoraTraining(place_lora(placement, spec))
     optimizer = make_optimizer(OPT)
-    state = create_train_state(placement, optimizer, seed=0, lora=lora)
+    state = create_train_state(placement, optimizer, seed=0, trainable=lora)
     base0 = jax.device_get(state.params["base"])
-    step = make_train_step(placement, optimizer, lr_schedule(OPT), lora=lora)
+    step = make_train_step(placement, optimizer, lr_schedule(OPT), trainable=lora)
     perm = sequence_permutation(placement, T)
     losses = []
     for batch in make_batches():
@@ -63,11 +64,11 @@ def test_optimizer_state_bytes_at_most_two_percent():
     placement = place(cfg, mesh_for("1,1,1,1"))
     optimizer = make_optimizer(OPT)
 
-    def state_bytes(lora):
-        tree = abstract_state(placement, optimizer, lora).opt_state
+    def state_bytes(trainable):
+        tree = abstract_state(placement, optimizer, trainable).opt_state
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
-    full, lora = state_bytes(None), state_bytes(place_lora(placement, SPEC))
+    full, lora = state_bytes(None), state_bytes(LoraTraining(place_lora(placement, SPEC)))
     assert lora <= 0.02 * full, (lora, full)
 
 
