@@ -72,7 +72,9 @@ def synthetic_batch(vocab: int, batch: int, seq: int, packed: bool) -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
     half = seq // 2
-    positions = np.arange(seq, dtype=np.int32) if not packed else np.concatenate([np.arange(half), np.arange(seq - half)])
+    positions = (
+        np.arange(seq, dtype=np.int32) if not packed else np.concatenate([np.arange(half), np.arange(seq - half)])
+    )
     return {
         "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
         "positions": np.tile(positions.astype(np.int32), (batch, 1)),
@@ -123,9 +125,14 @@ def run(cfg, kernel: str, args, profile_dir: str | None = None) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     del state, step
     gc.collect()
-    return {"step_s": statistics.median(times[args.warmup:]), "first_s": times[0], "compile_s": compile_s, "loss": (losses[0], losses[-1]),
-            "temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
-            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30}
+    return {
+        "step_s": statistics.median(times[args.warmup :]),
+        "first_s": times[0],
+        "compile_s": compile_s,
+        "loss": (losses[0], losses[-1]),
+        "temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+    }
 
 
 def top_ops(profile_dir: str, n: int) -> list[tuple[str, float, float]]:
@@ -166,8 +173,12 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default="blockwise", help="the kernel it is compared with (none: no baseline run)")
     ap.add_argument("--remat", default="none", help="remat policy of the layers")
     ap.add_argument("--loss_chunk", type=int, default=None, help="positions per loss chunk (default: the model's)")
-    ap.add_argument("--scan_unroll", type=int, default=0,
-                    help="layers per iteration of the layer loop (default 0: the model's auto, all of them on GPU)")
+    ap.add_argument(
+        "--scan_unroll",
+        type=int,
+        default=0,
+        help="layers per iteration of the layer loop (default 0: the model's auto, all of them on GPU)",
+    )
     ap.add_argument("--packed", action="store_true", help="two documents per row (segment ids)")
     ap.add_argument("--top", type=int, default=12, help="ops listed from the profile")
     ap.add_argument("--trace_out", default=None, help="copy the kernel run's trace (.trace.json.gz) to this file")
@@ -177,8 +188,9 @@ def main(argv=None) -> int:
         print("--warmup and --steps must be >= 1 (the first warm-up step compiles)", file=sys.stderr)
         return 2
     overrides = SMALL if args.small else {"n_layers": args.layers}
-    cfg = resolve_model("llama3-8b", overrides).replace(dtype="bfloat16", remat=args.remat, max_seq_len=args.seq,
-                                                        scan_unroll=args.scan_unroll)
+    cfg = resolve_model("llama3-8b", overrides).replace(
+        dtype="bfloat16", remat=args.remat, max_seq_len=args.seq, scan_unroll=args.scan_unroll
+    )
     if args.loss_chunk is not None:
         cfg = cfg.replace(loss_chunk=args.loss_chunk)
     device = jax.devices()[0]
@@ -193,10 +205,12 @@ def main(argv=None) -> int:
     peak, source = resolve_peak(None, "bfloat16")
     flops_per_token = model_flops_per_token(cfg, args.seq)
     tokens = args.batch * args.seq
-    print(f"{device.device_kind}: llama3-8b-shaped, {cfg.n_layers} layers, d_model {cfg.d_model}, "
-          f"{cfg.n_heads}/{cfg.n_kv_heads} heads x {cfg.head_dim}, mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}; "
-          f"{args.batch} x {args.seq} tokens{' (packed)' if args.packed else ''}, bf16, remat={args.remat}, "
-          f"loss_chunk={cfg.loss_chunk}, scan_unroll={cfg.scan_unroll}")
+    print(
+        f"{device.device_kind}: llama3-8b-shaped, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"{cfg.n_heads}/{cfg.n_kv_heads} heads x {cfg.head_dim}, mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}; "
+        f"{args.batch} x {args.seq} tokens{' (packed)' if args.packed else ''}, bf16, remat={args.remat}, "
+        f"loss_chunk={cfg.loss_chunk}, scan_unroll={cfg.scan_unroll}"
+    )
     print(f"peak {peak / 1e12:.1f} TFLOP/s ({source}); model {flops_per_token * tokens / 1e12:.2f} TFLOP/step")
     results = {}
     with tempfile.TemporaryDirectory() as profile_dir:
@@ -207,9 +221,11 @@ def main(argv=None) -> int:
             r["tokens_per_s"] = tokens / r["step_s"]
             r["mfu"] = flops_per_token * r["tokens_per_s"] / peak
             results[role] = r
-            print(f"  {role:8s} {name:9s}: step {r['step_s'] * 1e3:8.1f} ms (median of {args.steps}; compile "
-                  f"{r['compile_s']:.1f} s, first {r['first_s']:.1f} s)  {r['tokens_per_s']:10,.0f} tok/s  MFU {r['mfu']:.3f}  "
-                  f"loss {r['loss'][0]:.3f}->{r['loss'][1]:.3f}  temp {r['temp_gib']:.1f} GiB  peak {r['peak_gib']:.1f} GiB")
+            print(
+                f"  {role:8s} {name:9s}: step {r['step_s'] * 1e3:8.1f} ms (median of {args.steps}; compile "
+                f"{r['compile_s']:.1f} s, first {r['first_s']:.1f} s)  {r['tokens_per_s']:10,.0f} tok/s  MFU {r['mfu']:.3f}  "
+                f"loss {r['loss'][0]:.3f}->{r['loss'][1]:.3f}  temp {r['temp_gib']:.1f} GiB  peak {r['peak_gib']:.1f} GiB"
+            )
         if "baseline" in results:
             ratio = results["kernel"]["tokens_per_s"] / results["baseline"]["tokens_per_s"]
             print(f"{chosen[1]} / {chosen[0]} tokens/s: {ratio:.2f}x")

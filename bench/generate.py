@@ -158,9 +158,16 @@ def hf_generate(model, rows: np.ndarray, new_tokens: int) -> tuple[list[float], 
     clock = _StepClock()
     ids = torch.from_numpy(rows)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([clock]))
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     end = time.perf_counter()
     assert out.shape == (len(rows), rows.shape[1] + new_tokens), out.shape
     return clock.times, end
@@ -195,10 +202,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    if max(batches) > args.max_batch or args.ttft_prompt + 1 > args.max_seq_len \
-            or args.prompt_len + args.new_tokens > args.max_seq_len or args.new_tokens < 2 or args.repeats < 1:
-        print("need batches <= --max_batch, prompts + new tokens <= --max_seq_len, --new_tokens >= 2, "
-              "--repeats >= 1", file=sys.stderr)
+    if (
+        max(batches) > args.max_batch
+        or args.ttft_prompt + 1 > args.max_seq_len
+        or args.prompt_len + args.new_tokens > args.max_seq_len
+        or args.new_tokens < 2
+        or args.repeats < 1
+    ):
+        print(
+            "need batches <= --max_batch, prompts + new tokens <= --max_seq_len, --new_tokens >= 2, --repeats >= 1",
+            file=sys.stderr,
+        )
         return 2
 
     import torch
@@ -208,12 +222,17 @@ def main(argv=None) -> int:
     from meshlm.checkpoint.source import ArraySource
     from meshlm.models.placement import place
 
-    cfg = resolve_model(args.preset).replace(dtype="float32", param_dtype="float32",
-                                             max_seq_len=max(resolve_model(args.preset).max_seq_len, args.max_seq_len))
+    cfg = resolve_model(args.preset).replace(
+        dtype="float32",
+        param_dtype="float32",
+        max_seq_len=max(resolve_model(args.preset).max_seq_len, args.max_seq_len),
+    )
     print(f"preset {args.preset}: {describe(cfg)}")
-    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, meshlm dtype {args.dtype}); torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads, float32); transformers {transformers.__version__}; "
-          f"{os.cpu_count()} cpus")
+    print(
+        f"jax {jax.__version__} ({jax.devices()[0].platform}, meshlm dtype {args.dtype}); torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads, float32); transformers {transformers.__version__}; "
+        f"{os.cpu_count()} cpus"
+    )
     with tempfile.TemporaryDirectory(prefix="meshlm-bench-") as tmp:
         hf_dir = Path(tmp) / "hf"
         mesh = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
@@ -222,8 +241,10 @@ def main(argv=None) -> int:
         del params
         hf_model = load_hf(hf_dir)
         engine, compile_s = build_engine(hf_dir, args)
-    print(f"meshlm engine: max_batch {args.max_batch}, cache {args.max_seq_len} tokens, prefill buckets "
-          f"{engine.buckets}, compiled in {compile_s:.1f} s")
+    print(
+        f"meshlm engine: max_batch {args.max_batch}, cache {args.max_seq_len} tokens, prefill buckets "
+        f"{engine.buckets}, compiled in {compile_s:.1f} s"
+    )
     shapes = engine.compiled_shapes()
     try:
         results = run(engine, hf_model, cfg, batches, args)
@@ -234,12 +255,17 @@ def main(argv=None) -> int:
     nbytes = sum(a.nbytes for a in jax.tree.leaves(engine.steps.params))
     ceiling = 1 / b["weights"]
     rows = engine.decode_rows[-1]
-    print(f"bounds: reading all {nbytes / 1e6:.0f} MB of weights once takes {b['weights'] * 1e3:.1f} ms "
-          f"({nbytes / b['weights'] / 1e9:.1f} GB/s): at most {ceiling:.1f} tok/s at batch 1, "
-          f"{ceiling / results['decode_b1']['transformers']:.2f}x transformers' measured rate" if "decode_b1" in results
-          else "")
-    print(f"        engine decode step alone: batch {engine.decode_rows[0]} {b[f'step_b{engine.decode_rows[0]}'] * 1e3:.1f} ms, "
-          f"batch {rows} {b[f'step_b{rows}'] * 1e3:.1f} ms ({rows / b[f'step_b{rows}']:.0f} tok/s)")
+    print(
+        f"bounds: reading all {nbytes / 1e6:.0f} MB of weights once takes {b['weights'] * 1e3:.1f} ms "
+        f"({nbytes / b['weights'] / 1e9:.1f} GB/s): at most {ceiling:.1f} tok/s at batch 1, "
+        f"{ceiling / results['decode_b1']['transformers']:.2f}x transformers' measured rate"
+        if "decode_b1" in results
+        else ""
+    )
+    print(
+        f"        engine decode step alone: batch {engine.decode_rows[0]} {b[f'step_b{engine.decode_rows[0]}'] * 1e3:.1f} ms, "
+        f"batch {rows} {b[f'step_b{rows}'] * 1e3:.1f} ms ({rows / b[f'step_b{rows}']:.0f} tok/s)"
+    )
     results["bounds"] = {"weight_bytes": nbytes, **b}
     if args.json:
         print(json.dumps(results, indent=2))
@@ -252,9 +278,11 @@ def bounds(engine, repeats: int) -> dict:
     read_all = jax.jit(lambda p: sum(jnp.sum(a) for a in jax.tree.leaves(p)))
     steps = {"weights": lambda: read_all(engine.steps.params)}
     for rows in (engine.decode_rows[0], engine.decode_rows[-1]):
+
         def step(rows=rows):
             tokens = engine.steps.decode(rows, engine.decode_lengths[0])
             return tokens
+
         steps[f"step_b{rows}"] = step
     out = {}
     for name, fn in steps.items():
@@ -272,8 +300,11 @@ def run(engine, hf_model, cfg, batches, args) -> dict:
     jobs = {}
     for b in batches:
         rows = prompts(cfg.vocab_size, b, args.prompt_len, seed=b)
-        jobs[f"decode_b{b}"] = ("tokens/s", lambda r=rows: meshlm_decode(engine, r, args.new_tokens),
-                                lambda r=rows: hf_decode(hf_model, r, args.new_tokens))
+        jobs[f"decode_b{b}"] = (
+            "tokens/s",
+            lambda r=rows: meshlm_decode(engine, r, args.new_tokens),
+            lambda r=rows: hf_decode(hf_model, r, args.new_tokens),
+        )
     long = prompts(cfg.vocab_size, 1, args.ttft_prompt, seed=99)[0]
     jobs["ttft"] = ("s", lambda: meshlm_ttft(engine, long), lambda: hf_ttft(hf_model, long))
 
@@ -294,14 +325,22 @@ def run(engine, hf_model, cfg, batches, args) -> dict:
             figure = f"meshlm {m * 1e3:8.1f} ms   transformers {t * 1e3:8.1f} ms   meshlm/transformers {ratio:5.2f}x"
             goal = f"(target <= {target}x)"
         else:
-            label, ok = f"decode, batch {name[len('decode_b'):]}", target is None or ratio >= target
+            label, ok = f"decode, batch {name[len('decode_b') :]}", target is None or ratio >= target
             figure = f"meshlm {m:8.1f} tok/s   transformers {t:8.1f} tok/s   meshlm/transformers {ratio:5.2f}x"
             goal = f"(target >= {target}x)" if target else ""
         verdict = "" if target is None else ("met" if ok else "MISSED")
         print(f"{label:28s} {figure}  {goal} {verdict}")
         print(f"{'':28s} meshlm runs {_fmt(a, unit)}; transformers runs {_fmt(b, unit)}")
-        results[name] = {"unit": unit, "meshlm": m, "transformers": t, "ratio": ratio, "target": target, "met": ok,
-                         "meshlm_runs": a, "transformers_runs": b}
+        results[name] = {
+            "unit": unit,
+            "meshlm": m,
+            "transformers": t,
+            "ratio": ratio,
+            "target": target,
+            "met": ok,
+            "meshlm_runs": a,
+            "transformers_runs": b,
+        }
     return results
 
 

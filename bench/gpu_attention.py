@@ -44,14 +44,20 @@ def main(argv=None) -> int:
                                       total_repeat_length=t), (b, t))  # fmt: skip
     pos2 = jnp.where(seg == 1, pos, pos - half)
     on_gpu = jax.default_backend() == "gpu"
-    variants = {"blockwise": (lambda q, k, v: kernels.padded_blockwise(q, k, v, q_positions=pos, kv_positions=pos)),
-                "blockwise packed": (lambda q, k, v: kernels.padded_blockwise(
-                    q, k, v, q_positions=pos2, kv_positions=pos2, q_segment_ids=seg, kv_segment_ids=seg))}
+    variants = {
+        "blockwise": (lambda q, k, v: kernels.padded_blockwise(q, k, v, q_positions=pos, kv_positions=pos)),
+        "blockwise packed": (
+            lambda q, k, v: kernels.padded_blockwise(
+                q, k, v, q_positions=pos2, kv_positions=pos2, q_segment_ids=seg, kv_segment_ids=seg
+            )
+        ),
+    }
     if on_gpu:
         variants["cudnn"] = lambda q, k, v: gpu.cudnn_attention(q, k, v)
         for m in (2, 8, 32, 64):
-            variants[f"cudnn packed M={m}"] = (
-                lambda q, k, v, m=m: gpu.cudnn_packed_attention(q, k, v, seg, max_segments=m))
+            variants[f"cudnn packed M={m}"] = lambda q, k, v, m=m: gpu.cudnn_packed_attention(
+                q, k, v, seg, max_segments=m
+            )
         variants["triton packed"] = lambda q, k, v: gpu.triton_attention(q, k, v, seg)
     flops = 4 * b * t * t * h * d / 2 * 3.5  # causal: half the scores; backward 2.5x the forward
     print(f"{jax.devices()[0].device_kind}: attention fwd+bwd, B={b} T={t} heads {h}/{kvh} x {d}, bfloat16")
@@ -74,8 +80,10 @@ def main(argv=None) -> int:
             continue
         ms = statistics.median(times) * 1e3
         base = base or ms
-        print(f"  {name:16s}: {ms:8.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {base / ms:6.2f}x blockwise"
-              f"  temp {temp:6.2f} GiB  (compile+first {first:.1f} s)")
+        print(
+            f"  {name:16s}: {ms:8.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {base / ms:6.2f}x blockwise"
+            f"  temp {temp:6.2f} GiB  (compile+first {first:.1f} s)"
+        )
     return 0
 
 

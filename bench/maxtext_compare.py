@@ -77,17 +77,38 @@ def run_maxtext(python: Path, run: str, workdir: Path) -> list[float]:
     shape, devices, (dp, fsdp, tp, sp) = RUNS[run]
     layers, d, heads, hd, mlp, vocab, seq, batch = SHAPES[shape]
     args = [
-        "dataset_type=synthetic", f"steps={max(TIMED) + 1}", "enable_checkpointing=false", "attention=dot_product",
-        f"base_emb_dim={d}", f"base_num_query_heads={heads}", f"base_num_kv_heads={heads}", f"base_mlp_dim={mlp}",
-        f"base_num_decoder_layers={layers}", f"head_dim={hd}", f"vocab_size={vocab}", f"max_target_length={seq}",
-        f"per_device_batch_size={batch // devices}", f"ici_data_parallelism={dp}", f"ici_fsdp_parallelism={fsdp}",
-        f"ici_tensor_parallelism={tp}", "skip_jax_distributed_system=True", f"run_name=mesh-{run.replace(',', 'x')}",
+        "dataset_type=synthetic",
+        f"steps={max(TIMED) + 1}",
+        "enable_checkpointing=false",
+        "attention=dot_product",
+        f"base_emb_dim={d}",
+        f"base_num_query_heads={heads}",
+        f"base_num_kv_heads={heads}",
+        f"base_mlp_dim={mlp}",
+        f"base_num_decoder_layers={layers}",
+        f"head_dim={hd}",
+        f"vocab_size={vocab}",
+        f"max_target_length={seq}",
+        f"per_device_batch_size={batch // devices}",
+        f"ici_data_parallelism={dp}",
+        f"ici_fsdp_parallelism={fsdp}",
+        f"ici_tensor_parallelism={tp}",
+        "skip_jax_distributed_system=True",
+        f"run_name=mesh-{run.replace(',', 'x')}",
         f"base_output_directory={workdir}",
     ]
-    out = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train", *args], capture_output=True, text=True,
-                         env=_env(devices), cwd=workdir, timeout=1800)
-    steps = {int(m.group(1)): float(m.group(2))
-             for m in re.finditer(r"completed step: (\d+), seconds: ([0-9.]+)", out.stdout + out.stderr)}
+    out = subprocess.run(
+        [python, "-m", "maxtext.trainers.pre_train.train", *args],
+        capture_output=True,
+        text=True,
+        env=_env(devices),
+        cwd=workdir,
+        timeout=1800,
+    )
+    steps = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"completed step: (\d+), seconds: ([0-9.]+)", out.stdout + out.stderr)
+    }
     if not all(s in steps for s in TIMED):
         raise RuntimeError(f"MaxText {run} failed:\n{(out.stdout + out.stderr)[-3000:]}")
     return [steps[s] for s in TIMED]
@@ -137,18 +158,22 @@ def timed_steps(placement, state, step, n):
     return times
 """
 
-MESHLM_STEP = MESHLM_SETUP + r"""
+MESHLM_STEP = (
+    MESHLM_SETUP
+    + r"""
 placement, state, step = build()
 print("STEPS " + json.dumps(timed_steps(placement, state, step, last)))
 """
+)
 
 
 def run_meshlm(run: str) -> list[float]:
     shape, devices, mesh = RUNS[run]
     spec = json.dumps([*SHAPES[shape], ",".join(map(str, mesh)), max(TIMED)])
     env = {**_env(devices), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", MESHLM_STEP, spec], capture_output=True, text=True, env=env,
-                         timeout=1800)
+    out = subprocess.run(
+        [sys.executable, "-c", MESHLM_STEP, spec], capture_output=True, text=True, env=env, timeout=1800
+    )
     found = re.search(r"^STEPS (.*)$", out.stdout, re.M)
     if out.returncode or not found:
         raise RuntimeError(f"meshlm {run} failed:\n{out.stderr[-3000:]}")
@@ -158,10 +183,14 @@ def run_meshlm(run: str) -> list[float]:
 
 def _versions(python, meshlm: bool = False) -> str:
     """Python and JAX versions of an interpreter, and the compute dtype each framework's default gives here."""
-    probe = ("import sys, jax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}', end='')"
-             + ("; from meshlm.platform import resolve_dtype; print(', dtype auto =', resolve_dtype('auto', 'cpu'), end='')"
-                if meshlm else "; print(', dtype bfloat16 (its default)', end='')"))
-    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, env={**_env(1), "PYTHONPATH": str(ROOT)})
+    probe = "import sys, jax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}', end='')" + (
+        "; from meshlm.platform import resolve_dtype; print(', dtype auto =', resolve_dtype('auto', 'cpu'), end='')"
+        if meshlm
+        else "; print(', dtype bfloat16 (its default)', end='')"
+    )
+    out = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, env={**_env(1), "PYTHONPATH": str(ROOT)}
+    )
     return out.stdout.strip() or out.stderr.strip()[-200:]
 
 
@@ -188,9 +217,11 @@ def main() -> int:
             row["ratio"] = row["meshlm"] / row["maxtext"]
             results[run] = row
             if not args.json:
-                print(f"{run:8s} shape {RUNS[run][0]:5s}  meshlm {row['meshlm']:8,.0f} tok/s   MaxText "
-                      f"{row['maxtext']:8,.0f} tok/s   meshlm / MaxText = {row['ratio']:.2f}x   (target >= 1.25x)",
-                      flush=True)
+                print(
+                    f"{run:8s} shape {RUNS[run][0]:5s}  meshlm {row['meshlm']:8,.0f} tok/s   MaxText "
+                    f"{row['maxtext']:8,.0f} tok/s   meshlm / MaxText = {row['ratio']:.2f}x   (target >= 1.25x)",
+                    flush=True,
+                )
     if args.json:
         print(json.dumps(results, indent=1))
     return 0

@@ -51,10 +51,13 @@ MS = (4, 8, 16)
 
 def batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    return {"inputs": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
-            "targets": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
-            "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-            "segment_ids": np.ones((rows, seq), np.int32), "loss_mask": np.ones((rows, seq), np.float32)}
+    return {
+        "inputs": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
+        "targets": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
+        "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+        "segment_ids": np.ones((rows, seq), np.int32),
+        "loss_mask": np.ones((rows, seq), np.float32),
+    }
 
 
 def step_time(cfg, mesh_dim: str, pp: int, schedule, rows: int, seq: int, steps: int) -> float:
@@ -84,27 +87,37 @@ def main() -> None:
     ap.add_argument("--virtual", type=int, default=2)
     args = ap.parse_args()
     cfg = resolve_model("test", {"n_layers": str(args.layers), "d_model": "128", "mlp_dim": "256"}).replace(
-        dtype="float32")
-    print(f"model: test preset, {args.layers} layers, d_model 128; pp={PP} on 4 simulated CPU devices; "
-          f"{args.rows} rows × {args.seq} tokens per microbatch; fastest of {args.steps} steps")
+        dtype="float32"
+    )
+    print(
+        f"model: test preset, {args.layers} layers, d_model 128; pp={PP} on 4 simulated CPU devices; "
+        f"{args.rows} rows × {args.seq} tokens per microbatch; fastest of {args.steps} steps"
+    )
     plain = {M: step_time(cfg, "1,4,1,1", 1, None, M * args.rows, args.seq, args.steps) for M in MS}
     s0, fit = np.polyfit(MS, [plain[M] for M in MS], 1)
     a0 = max(fit, 0.0)  # a fixed cost is not negative: a negative intercept is the baseline growing faster than M
-    print("no pipeline (1,4,1,1): " + ", ".join(f"M={M} {plain[M]:.3f} s" for M in MS)
-          + f"; per-step cost besides microbatches a0 = {a0:.3f} s (fit {fit:.3f} s)")
-    print(f"{'schedule':<18}{'M':>4}{'step s':>9}{'no-pp s':>9}{'pp/no-pp':>10}"
-          f"{'bubble':>9}{'theory':>9}{'ratio':>7}")
+    print(
+        "no pipeline (1,4,1,1): "
+        + ", ".join(f"M={M} {plain[M]:.3f} s" for M in MS)
+        + f"; per-step cost besides microbatches a0 = {a0:.3f} s (fit {fit:.3f} s)"
+    )
+    print(f"{'schedule':<18}{'M':>4}{'step s':>9}{'no-pp s':>9}{'pp/no-pp':>10}{'bubble':>9}{'theory':>9}{'ratio':>7}")
     for name in ("gpipe", "1f1b", "interleaved"):
         v = args.virtual if name == "interleaved" else 1
-        t = {M: step_time(cfg, "1,1,1,1", PP, build_schedule(name, PP, M, v), M * args.rows, args.seq, args.steps)
-             for M in MS}
+        t = {
+            M: step_time(cfg, "1,1,1,1", PP, build_schedule(name, PP, M, v), M * args.rows, args.seq, args.steps)
+            for M in MS
+        }
         s, a = np.polyfit(MS, [t[M] for M in MS], 1)
         for M in MS:
             measured = (a - a0) / (t[M] - a0)
             theory = build_schedule(name, PP, M, v).theoretical_bubble()
             ratio = measured / theory if theory else float("nan")
-            print(f"{name + (f'(v={v})' if v > 1 else ''):<18}{M:>4}{t[M]:>9.3f}{plain[M]:>9.3f}"
-                  f"{t[M] / plain[M]:>10.2f}{measured:>9.1%}{theory:>9.1%}{ratio:>7.2f}")
+            print(
+                f"{name + (f'(v={v})' if v > 1 else ''):<18}{M:>4}{t[M]:>9.3f}{plain[M]:>9.3f}"
+                f"{t[M] / plain[M]:>10.2f}{measured:>9.1%}{theory:>9.1%}{ratio:>7.2f}"
+            )
+
 
 if __name__ == "__main__":
     main()

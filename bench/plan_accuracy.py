@@ -58,7 +58,9 @@ from tests.plan.test_accuracy import CASES, IDS, job_for  # noqa: E402
 
 def grid() -> None:
     print(f"1. accuracy grid: {len(CASES)} cases on 8 simulated CPU devices (error = predicted vs compiled)")
-    print(f"   {'case':40s} {'peak MB':>9s} {'compiled':>9s} {'error':>7s}   {'coll MB':>8s} {'compiled':>9s} {'error':>7s}")
+    print(
+        f"   {'case':40s} {'peak MB':>9s} {'compiled':>9s} {'error':>7s}   {'coll MB':>8s} {'compiled':>9s} {'error':>7s}"
+    )
     mem_err, coll_err = [], []
     for case, name in zip(CASES, IDS):
         overrides, mesh_dim, batch, seq, remat, accum = case
@@ -70,19 +72,32 @@ def grid() -> None:
         c = error_percent(coll, got["collective_bytes"]["total"])
         mem_err.append(m)
         coll_err.append(c)
-        print(f"   {name:40s} {peak / 1e6:9.3f} {got['peak_memory_bytes'] / 1e6:9.3f} {m:+6.1f}%   "
-              f"{coll / 1e6:8.3f} {got['collective_bytes']['total'] / 1e6:9.3f} {c:+6.1f}%", flush=True)
-    for what, errs, bound in (("peak memory", mem_err, "target -3% .. +10%"), ("collective bytes", coll_err, "target ±5%")):
+        print(
+            f"   {name:40s} {peak / 1e6:9.3f} {got['peak_memory_bytes'] / 1e6:9.3f} {m:+6.1f}%   "
+            f"{coll / 1e6:8.3f} {got['collective_bytes']['total'] / 1e6:9.3f} {c:+6.1f}%",
+            flush=True,
+        )
+    for what, errs, bound in (
+        ("peak memory", mem_err, "target -3% .. +10%"),
+        ("collective bytes", coll_err, "target ±5%"),
+    ):
         worst = max(errs, key=abs)
-        print(f"   {what:16s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
-              f"worst {worst:+.1f}% (range {min(errs):+.1f}% .. {max(errs):+.1f}%; {bound})")
+        print(
+            f"   {what:16s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
+            f"worst {worst:+.1f}% (range {min(errs):+.1f}% .. {max(errs):+.1f}%; {bound})"
+        )
 
 
 def synthetic_batch(cfg, rows: int, seq: int) -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (rows, seq + 1), dtype=np.int32)
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], positions=np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-                segment_ids=np.ones((rows, seq), np.int32), loss_mask=np.ones((rows, seq), np.float32))
+    return dict(
+        inputs=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        positions=np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+        segment_ids=np.ones((rows, seq), np.int32),
+        loss_mask=np.ones((rows, seq), np.float32),
+    )
 
 
 def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = None) -> None:
@@ -90,12 +105,15 @@ def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = No
     job = Job(cfg, batch, seq, 8)
     hw = resolve_hardware("cpu", 8, "float32")
     plans, _ = search.search(job, hw)
-    print(f"\n2. ranking: --model={model} --batch_size={batch} --seq_len={seq}, float32, 8 simulated CPU devices; "
-          f"{len(plans)} candidate meshes")
-    print(f"   probe: {hw.peak_fp32 * 8 / 1e9:.1f} GFLOP/s matmul, {hw.fast_bandwidth * 8 / 1e9:.1f} GB/s copy (whole machine), "
-          f"{hw.collective_latency * 1e6:.0f} µs per collective, {hw.ring_step_s * 1e3:.2f} ms per ring step; "
-          "matmul efficiency by rows per device: "
-          + ", ".join(f"{r}: {e:.2f}" for r, e in hw.matmul_rows))
+    print(
+        f"\n2. ranking: --model={model} --batch_size={batch} --seq_len={seq}, float32, 8 simulated CPU devices; "
+        f"{len(plans)} candidate meshes"
+    )
+    print(
+        f"   probe: {hw.peak_fp32 * 8 / 1e9:.1f} GFLOP/s matmul, {hw.fast_bandwidth * 8 / 1e9:.1f} GB/s copy (whole machine), "
+        f"{hw.collective_latency * 1e6:.0f} µs per collective, {hw.ring_step_s * 1e3:.2f} ms per ring step; "
+        "matmul efficiency by rows per device: " + ", ".join(f"{r}: {e:.2f}" for r, e in hw.matmul_rows)
+    )
     optimizer = make_optimizer(OptimizerConfig())
     host = synthetic_batch(cfg, batch, seq)
     runs = []
@@ -118,35 +136,70 @@ def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = No
         run["measured"], run["best"] = statistics.median(run["times"]), min(run["times"])
     fastest = min(runs, key=lambda r: r["measured"])
     fastest_best = min(r["best"] for r in runs)
-    print(f"   {'plan rank':>9s} {'mesh_dim':9s} {'predicted s':>11s} {'median s':>9s} {'/ fastest':>9s} "
-          f"{'best s':>7s} {'/ fastest':>9s}")
+    print(
+        f"   {'plan rank':>9s} {'mesh_dim':9s} {'predicted s':>11s} {'median s':>9s} {'/ fastest':>9s} "
+        f"{'best s':>7s} {'/ fastest':>9s}"
+    )
     for rank, run in enumerate(runs, 1):
-        print(f"   {rank:9d} {run['plan'].mesh_dim:9s} {run['plan'].time.step_s:11.4f} {run['measured']:9.4f} "
-              f"{run['measured'] / fastest['measured']:9.3f} {run['best']:7.4f} {run['best'] / fastest_best:9.3f}")
+        print(
+            f"   {rank:9d} {run['plan'].mesh_dim:9s} {run['plan'].time.step_s:11.4f} {run['measured']:9.4f} "
+            f"{run['measured'] / fastest['measured']:9.3f} {run['best']:7.4f} {run['best'] / fastest_best:9.3f}"
+        )
     first = runs[0]
     ratio = first["measured"] / fastest["measured"]
     measured_rank = sorted(runs, key=lambda r: r["measured"]).index(first) + 1
-    print(f"   plan's first choice --mesh_dim={first['plan'].mesh_dim}: median step {ratio:.3f} x the fastest measured "
-          f"(--mesh_dim={fastest['plan'].mesh_dim}), measured rank {measured_rank} of {len(runs)}: "
-          f"{'within' if ratio <= 1.10 else 'NOT within'} 10%; best step {first['best'] / fastest_best:.3f} x the fastest best")
+    print(
+        f"   plan's first choice --mesh_dim={first['plan'].mesh_dim}: median step {ratio:.3f} x the fastest measured "
+        f"(--mesh_dim={fastest['plan'].mesh_dim}), measured rank {measured_rank} of {len(runs)}: "
+        f"{'within' if ratio <= 1.10 else 'NOT within'} 10%; best step {first['best'] / fastest_best:.3f} x the fastest best"
+    )
     top = runs[:5]
     fastest_top = min(top, key=lambda r: r["measured"])
     top_ratio = first["measured"] / fastest_top["measured"]
-    print(f"   among the plan's top {len(top)}: the first choice's median step is {top_ratio:.3f} x the fastest of them "
-          f"(--mesh_dim={fastest_top['plan'].mesh_dim}): {'within' if top_ratio <= 1.10 else 'NOT within'} 10%")
-    print(f"   rank correlation of predicted and measured step times: "
-          f"{rank_correlation([r['plan'].time.step_s for r in runs], [r['measured'] for r in runs]):.2f}; "
-          f"slowest / fastest measured: {max(r['measured'] for r in runs) / fastest['measured']:.2f}, "
-          f"predicted: {runs[-1]['plan'].time.step_s / runs[0]['plan'].time.step_s:.2f}")
+    print(
+        f"   among the plan's top {len(top)}: the first choice's median step is {top_ratio:.3f} x the fastest of them "
+        f"(--mesh_dim={fastest_top['plan'].mesh_dim}): {'within' if top_ratio <= 1.10 else 'NOT within'} 10%"
+    )
+    print(
+        f"   rank correlation of predicted and measured step times: "
+        f"{rank_correlation([r['plan'].time.step_s for r in runs], [r['measured'] for r in runs]):.2f}; "
+        f"slowest / fastest measured: {max(r['measured'] for r in runs) / fastest['measured']:.2f}, "
+        f"predicted: {runs[-1]['plan'].time.step_s / runs[0]['plan'].time.step_s:.2f}"
+    )
     if save:
-        rows = [dict(mesh_dim=r["plan"].mesh_dim, remat=r["plan"].job.cfg.remat, predicted_s=r["plan"].time.step_s,
-                     compute_s=r["plan"].time.compute_s, comm_s=r["plan"].time.comm_s,
-                     collectives=sum(c.count for c in r["plan"].collectives),
-                     serial_collectives=sum(c.count for c in r["plan"].collectives if not c.overlappable),
-                     measured_s=r["measured"], best_s=r["best"], times=r["times"]) for r in runs]
-        Path(save).write_text(json.dumps(dict(model=model, batch_size=batch, seq_len=seq, hardware=dict(
-            peak=hw.peak_fp32, copy=hw.fast_bandwidth, latency=hw.collective_latency, ring_step=hw.ring_step_s,
-            matmul_rows=hw.matmul_rows), plans=rows), indent=1))
+        rows = [
+            dict(
+                mesh_dim=r["plan"].mesh_dim,
+                remat=r["plan"].job.cfg.remat,
+                predicted_s=r["plan"].time.step_s,
+                compute_s=r["plan"].time.compute_s,
+                comm_s=r["plan"].time.comm_s,
+                collectives=sum(c.count for c in r["plan"].collectives),
+                serial_collectives=sum(c.count for c in r["plan"].collectives if not c.overlappable),
+                measured_s=r["measured"],
+                best_s=r["best"],
+                times=r["times"],
+            )
+            for r in runs
+        ]
+        Path(save).write_text(
+            json.dumps(
+                dict(
+                    model=model,
+                    batch_size=batch,
+                    seq_len=seq,
+                    hardware=dict(
+                        peak=hw.peak_fp32,
+                        copy=hw.fast_bandwidth,
+                        latency=hw.collective_latency,
+                        ring_step=hw.ring_step_s,
+                        matmul_rows=hw.matmul_rows,
+                    ),
+                    plans=rows,
+                ),
+                indent=1,
+            )
+        )
         print(f"   saved to {save}")
 
 

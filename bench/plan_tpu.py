@@ -47,8 +47,13 @@ MEMORY_TOLERANCE, COLLECTIVE_TOLERANCE = 10.0, 15.0
 # The cases `--fit` fits `meshlm.plan.memory.PLACES["tpu"]` (v5p) and `LOSS_PLACE` (v5e) to: other shapes, sizes
 # and remat policies than the table's (model, batch, seq_len, remat), each on the table's five meshes. The
 # table checks the fit.
-FIT_SET = [("tiny", 4, 1024, "full"), ("tiny", 16, 256, "full"), ("tiny", 8, 512, "save_qkv_attn"),
-           ("small", 8, 512, "full"), ("1b", 8, 512, "full")]
+FIT_SET = [
+    ("tiny", 4, 1024, "full"),
+    ("tiny", 16, 256, "full"),
+    ("tiny", 8, 512, "save_qkv_attn"),
+    ("small", 8, 512, "full"),
+    ("1b", 8, 512, "full"),
+]
 
 
 def job_for(model: str, batch: int, seq: int, remat: str = "full") -> Job:
@@ -100,12 +105,32 @@ def case_row(model: str, mesh_name: str, hardware: str, cache: Path | None, fres
     cached = cache / model if cache else None
     got = compiled_figures(job, mesh_dim, hardware, cached, fresh)
     if "error" in got:
-        return {"model": model, "mesh": mesh_name, "mesh_dim": mesh_dim, "hardware": hardware, "batch": batch,
-                "seq": seq, "error": got["error"]}
-    mem, coll = memory.estimate(job, shape, memory.compiler_for(hardware)).total, comms.total_bytes(comms.predict(job, shape, "tpu"))["total"]
-    return {"model": model, "mesh": mesh_name, "mesh_dim": mesh_dim, "hardware": hardware, "batch": batch, "seq": seq,
-            "mem": mem, "mem_compiled": got["peak_memory_bytes"], "coll": coll,
-            "coll_compiled": got["collective_bytes"]["total"], "seconds": got.get("compile_seconds")}
+        return {
+            "model": model,
+            "mesh": mesh_name,
+            "mesh_dim": mesh_dim,
+            "hardware": hardware,
+            "batch": batch,
+            "seq": seq,
+            "error": got["error"],
+        }
+    mem, coll = (
+        memory.estimate(job, shape, memory.compiler_for(hardware)).total,
+        comms.total_bytes(comms.predict(job, shape, "tpu"))["total"],
+    )
+    return {
+        "model": model,
+        "mesh": mesh_name,
+        "mesh_dim": mesh_dim,
+        "hardware": hardware,
+        "batch": batch,
+        "seq": seq,
+        "mem": mem,
+        "mem_compiled": got["peak_memory_bytes"],
+        "coll": coll,
+        "coll_compiled": got["collective_bytes"]["total"],
+        "seconds": got.get("compile_seconds"),
+    }
 
 
 def fit_rows(hardware: str, cache: Path | None, fresh: bool) -> list[tuple[dict, dict, int, MeshShape]]:
@@ -119,17 +144,22 @@ def fit_rows(hardware: str, cache: Path | None, fresh: bool) -> list[tuple[dict,
             if "error" not in got:
                 shape = parse_mesh_dim(mesh_dim, DEVICES)
                 rows.append((*memory.terms(job, shape), got["peak_memory_bytes"], shape))
-                print(f"  {model} b{batch}×{seq} {remat} {mesh_dim}: {got['peak_memory_bytes'] / 1e9:.3f} GB",
-                      flush=True)
+                print(
+                    f"  {model} b{batch}×{seq} {remat} {mesh_dim}: {got['peak_memory_bytes'] / 1e9:.3f} GB", flush=True
+                )
     return rows
 
 
 # Where `--fit` starts: XLA:CPU's places with the tables at half in the forward place (XLA:TPU gathers them
 # in bfloat16) and the device's parameters cast once to the compute dtype before the layer loop.
 # XLA:CPU's `lookup` correction is left out: XLA:TPU's programs fit as well without it (9.2% against 9.3%).
-FIT_START = {place: {t: c for t, c in {**memory.PLACES["cpu"][place], **extra}.items() if t != "lookup"}
-             for place, extra in (("forward", {"tables": 2.0, "cast_params": 1.0}),
-                                  ("backward", {"layer": 1.0, "scores": 1.0, "cast_params": 1.0}))}
+FIT_START = {
+    place: {t: c for t, c in {**memory.PLACES["cpu"][place], **extra}.items() if t != "lookup"}
+    for place, extra in (
+        ("forward", {"tables": 2.0, "cast_params": 1.0}),
+        ("backward", {"layer": 1.0, "scores": 1.0, "cast_params": 1.0}),
+    )
+}
 
 
 def place_bytes(place: dict, sizes: dict) -> float:
@@ -172,8 +202,9 @@ def fit_places(rows: list[tuple[dict, dict, int]]) -> tuple[dict, float]:
             up[i], up[n + i], down[i], down[n + i] = 1.0, -1.0, -1.0, -1.0
             a_ub += [up, down]
             b_ub += [start[i], -start[i]]
-        res = linprog([0.0] * n + [1 / s for s in start], A_ub=np.array(a_ub), b_ub=np.array(b_ub),
-                      bounds=[(0, None)] * (2 * n))
+        res = linprog(
+            [0.0] * n + [1 / s for s in start], A_ub=np.array(a_ub), b_ub=np.array(b_ub), bounds=[(0, None)] * (2 * n)
+        )
         return list(res.x[:n]) if res.success else None
 
     def places_of(coeffs: list[float]) -> dict:
@@ -240,22 +271,30 @@ def fit_loss_place(rows: list[tuple[dict, dict, int, MeshShape]], compiler: str)
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if solve(mid) is not None else (mid, hi)
     loss = {t: round(float(c), 2) for t, c in zip(names, solve(hi + 0.003, objective=True))}
-    worst = max(abs((base + max(other, sum(c * x for c, x in zip(loss.values(), size)))) / peak - 1)
-                for base, other, size, peak in cases)
+    worst = max(
+        abs((base + max(other, sum(c * x for c, x in zip(loss.values(), size)))) / peak - 1)
+        for base, other, size, peak in cases
+    )
     return loss, worst
 
 
 def print_row(r: dict) -> None:
     if "error" in r:
-        print(f"| {r['model']} b{r['batch']}×{r['seq']} | {r['hardware']} | {r['mesh']} `{r['mesh_dim']}` | "
-              f"does not compile: {r['error']} |||||||", flush=True)
+        print(
+            f"| {r['model']} b{r['batch']}×{r['seq']} | {r['hardware']} | {r['mesh']} `{r['mesh_dim']}` | "
+            f"does not compile: {r['error']} |||||||",
+            flush=True,
+        )
         return
     rm, rc = r["mem"] / r["mem_compiled"], r["coll"] / r["coll_compiled"]
     ok_m = abs(rm - 1) * 100 <= MEMORY_TOLERANCE
     ok_c = abs(rc - 1) * 100 <= COLLECTIVE_TOLERANCE
-    print(f"| {r['model']} b{r['batch']}×{r['seq']} | {r['hardware']} | {r['mesh']} `{r['mesh_dim']}` | "
-          f"{r['mem'] / 1e9:.3f} | {r['mem_compiled'] / 1e9:.3f} | {rm:.3f} {'ok' if ok_m else 'OUT'} | "
-          f"{r['coll'] / 1e9:.3f} | {r['coll_compiled'] / 1e9:.3f} | {rc:.3f} {'ok' if ok_c else 'OUT'} |", flush=True)
+    print(
+        f"| {r['model']} b{r['batch']}×{r['seq']} | {r['hardware']} | {r['mesh']} `{r['mesh_dim']}` | "
+        f"{r['mem'] / 1e9:.3f} | {r['mem_compiled'] / 1e9:.3f} | {rm:.3f} {'ok' if ok_m else 'OUT'} | "
+        f"{r['coll'] / 1e9:.3f} | {r['coll_compiled'] / 1e9:.3f} | {rc:.3f} {'ok' if ok_c else 'OUT'} |",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -265,9 +304,12 @@ def main() -> None:
     p.add_argument("--meshes", default=",".join(MESHES), help=f"of {', '.join(MESHES)}")
     p.add_argument("--cache", default="outputs/plan_tpu", help="where compiled figures and HLO are kept ('' for none)")
     p.add_argument("--fresh", action="store_true", help="compile again even when the cache has the case")
-    p.add_argument("--fit", action="store_true",
-                   help="compile FIT_SET for each --hardware and print the PLACES (with on-chip memory: LOSS_PLACE) "
-                        "coefficients fitted to it")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="compile FIT_SET for each --hardware and print the PLACES (with on-chip memory: LOSS_PLACE) "
+        "coefficients fitted to it",
+    )
     args = p.parse_args()
     cache = Path(args.cache) if args.cache else None
     if args.fit:
@@ -281,8 +323,10 @@ def main() -> None:
             places, worst = fit_places([row[:3] for row in rows])
             print(f'    "{compiler}": {places},  # {hardware}: worst {100 * worst:.1f}% over the fit set')
         return
-    print(f"{DEVICES} chips, bfloat16 compute, float32 parameters, --remat=full; ratio = predicted / compiled "
-          f"(tolerance: memory ±{MEMORY_TOLERANCE:.0f}%, collectives ±{COLLECTIVE_TOLERANCE:.0f}%)\n")
+    print(
+        f"{DEVICES} chips, bfloat16 compute, float32 parameters, --remat=full; ratio = predicted / compiled "
+        f"(tolerance: memory ±{MEMORY_TOLERANCE:.0f}%, collectives ±{COLLECTIVE_TOLERANCE:.0f}%)\n"
+    )
     print("| model, batch×seq | hardware | mesh | mem GB | compiled | ratio | coll GB/step | compiled | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -294,9 +338,10 @@ def main() -> None:
     done = [r for r in rows if "error" not in r]
     ok_m = sum(abs(r["mem"] / r["mem_compiled"] - 1) * 100 <= MEMORY_TOLERANCE for r in done)
     ok_c = sum(abs(r["coll"] / r["coll_compiled"] - 1) * 100 <= COLLECTIVE_TOLERANCE for r in done)
-    print(f"\nwithin tolerance: memory {ok_m} of {len(done)} compiled cases, collectives {ok_c} of {len(done)}"
-          f"{f'; {len(rows) - len(done)} cases do not compile' if len(rows) > len(done) else ''}")
-
+    print(
+        f"\nwithin tolerance: memory {ok_m} of {len(done)} compiled cases, collectives {ok_c} of {len(done)}"
+        f"{f'; {len(rows) - len(done)} cases do not compile' if len(rows) > len(done) else ''}"
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ from maxtext_compare import MESHLM_SETUP, RUNS, SHAPES  # noqa: E402
 
 BASELINE = "none:dense"
 
-ONE_RUN = MESHLM_SETUP + r"""
+ONE_RUN = (
+    MESHLM_SETUP
+    + r"""
 import statistics
 variants, rounds = last
 built = {}
@@ -53,13 +55,17 @@ for _ in range(rounds):
             times[variant].append(time.perf_counter() - start)
 print("RESULT " + json.dumps({v: batch * seq / statistics.median(t) for v, t in times.items()}))
 """
+)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default="1dev,1,8,1,1,2,2,2,1", help="runs of bench/maxtext_compare.py")
-    ap.add_argument("--variants", default="none:dense,none:blockwise,save_qkv_attn:dense,save_qkv_attn:blockwise,"
-                                          "full:blockwise", help="REMAT:ATTENTION pairs, comma separated")
+    ap.add_argument(
+        "--variants",
+        default="none:dense,none:blockwise,save_qkv_attn:dense,save_qkv_attn:blockwise,full:blockwise",
+        help="REMAT:ATTENTION pairs, comma separated",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="rounds of 4 timed steps of every variant")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -68,8 +74,9 @@ def main() -> int:
     for run in [r for r in RUNS if r in args.runs]:
         shape, devices, mesh = RUNS[run]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env.update(
+            JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+        )
         spec = json.dumps([*SHAPES[shape], ",".join(map(str, mesh)), [variants, args.rounds]])
         out = subprocess.run([sys.executable, "-c", ONE_RUN, spec], capture_output=True, text=True, env=env)
         found = re.search(r"^RESULT (.*)$", out.stdout, re.M)

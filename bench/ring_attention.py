@@ -71,10 +71,7 @@ def measure(variants: dict, warmup: int, repeats: int, summary=statistics.median
             wall, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*args))
             samples[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    return {
-        name: (summary([w for w, _ in runs]), summary([c for _, c in runs]))
-        for name, runs in samples.items()
-    }
+    return {name: (summary([w for w, _ in runs]), summary([c for _, c in runs])) for name, runs in samples.items()}
 
 
 def fwd_bwd(attention, **kw):
@@ -113,9 +110,7 @@ def place(arrays, mesh, specs):
 # --------------------------------------------------------------------------------------------
 
 
-def critical_path(
-    t: int, sp: int, block: int, kvh: int, warmup: int, repeats: int, summary=statistics.median
-) -> dict:
+def critical_path(t: int, sp: int, block: int, kvh: int, warmup: int, repeats: int, summary=statistics.median) -> dict:
     """{order: sum over ring steps of the busiest rank's step time} (CPU seconds).
 
     Step `s` on rank `r` is what the ring computes there: `forward_chunk` then `backward_chunk`
@@ -150,15 +145,13 @@ def critical_path(
                 variants[order, r, s] = (ring_step, args)
     cpu = {key: c for key, (_, c) in measure(variants, warmup, repeats, summary).items()}
     return {
-        order: sum(max(cpu[order, r, s] for r in range(sp)) for s in range(sp))
-        for order in ("contiguous", "zigzag")
+        order: sum(max(cpu[order, r, s] for r in range(sp)) for s in range(sp)) for order in ("contiguous", "zigzag")
     }
 
 
 def time_section(lengths, sp: int, kvh: int, block: int, warmup: int, repeats: int) -> None:
     print(
-        f"\n== time: causal forward + backward, B={B} H={H} KVH={kvh} D={D} fp32, ring on sp={sp},"
-        f" blocks of {block} =="
+        f"\n== time: causal forward + backward, B={B} H={H} KVH={kvh} D={D} fp32, ring on sp={sp}, blocks of {block} =="
     )
     header = (
         f"{'T':>6} | {'blockwise, 1 device':>19} | {'ring / blockwise':>16} | {'(wall)':>6} | "

@@ -119,21 +119,31 @@ def print_report(result: dict, cfg, args) -> None:
     """The text form of `main`'s result: the model, the probe, each run and the two targets."""
     runs, ratio, probe = result["runs"], result["ratio_8dev_over_1dev"], result["probe_gflops"]
     one = runs[0]
-    print(f"tiny: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads}x{cfg.head_dim} heads, mlp {cfg.mlp_dim}, "
-          f"vocab {cfg.vocab_size}; seq {SEQ_LEN} x batch {GLOBAL_BATCH}; {args.dtype}, remat={args.remat}")
-    print(f"model FLOPs/step {result['model_gflop_per_step']:.1f} G; matmul probe {probe['used']:.1f} GFLOP/s "
-          f"(before {probe['before']:.1f}, after {probe['after']:.1f}; best used)")
+    print(
+        f"tiny: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads}x{cfg.head_dim} heads, mlp {cfg.mlp_dim}, "
+        f"vocab {cfg.vocab_size}; seq {SEQ_LEN} x batch {GLOBAL_BATCH}; {args.dtype}, remat={args.remat}"
+    )
+    print(
+        f"model FLOPs/step {result['model_gflop_per_step']:.1f} G; matmul probe {probe['used']:.1f} GFLOP/s "
+        f"(before {probe['before']:.1f}, after {probe['after']:.1f}; best used)"
+    )
     for r in runs:
-        print(f"  mesh {r['mesh_dim']} on {r['devices']} device(s): step {r['step_s_median'] * 1e3:7.0f} ms (median of "
-              f"{args.steps}, CPU {r['cpu_s_median'] * 1e3:.0f} ms; compile+first {r['first_step_s']:.1f} s)  "
-              f"{r['tokens_per_s']:8,.0f} tok/s  "
-              f"{r['model_tflops_per_s'] * 1e3:6.1f} GFLOP/s  MFU {r['mfu']:.2f} (peak/device "
-              f"{r['peak_flops_per_device'] / 1e9:.1f} GFLOP/s)  loss {r['loss_first']:.3f}->{r['loss_last']:.3f}")
+        print(
+            f"  mesh {r['mesh_dim']} on {r['devices']} device(s): step {r['step_s_median'] * 1e3:7.0f} ms (median of "
+            f"{args.steps}, CPU {r['cpu_s_median'] * 1e3:.0f} ms; compile+first {r['first_step_s']:.1f} s)  "
+            f"{r['tokens_per_s']:8,.0f} tok/s  "
+            f"{r['model_tflops_per_s'] * 1e3:6.1f} GFLOP/s  MFU {r['mfu']:.2f} (peak/device "
+            f"{r['peak_flops_per_device'] / 1e9:.1f} GFLOP/s)  loss {r['loss_first']:.3f}->{r['loss_last']:.3f}"
+        )
     t = result["targets"]
-    print(f"MFU on 1 device: {one['mfu']:.2f} (target >= {TARGET_MFU_1DEV}: "
-          f"{'met' if t['mfu_1dev']['met'] else 'NOT met'})")
-    print(f"8-device / 1-device throughput: {ratio:.2f}x (target >= {TARGET_RATIO_8DEV:.1f}: "
-          f"{'met' if t['ratio_8dev']['met'] else 'NOT met'})")
+    print(
+        f"MFU on 1 device: {one['mfu']:.2f} (target >= {TARGET_MFU_1DEV}: "
+        f"{'met' if t['mfu_1dev']['met'] else 'NOT met'})"
+    )
+    print(
+        f"8-device / 1-device throughput: {ratio:.2f}x (target >= {TARGET_RATIO_8DEV:.1f}: "
+        f"{'met' if t['ratio_8dev']['met'] else 'NOT met'})"
+    )
 
 
 def main(argv=None) -> int:
@@ -149,8 +159,10 @@ def main(argv=None) -> int:
         print("--steps and --warmup must be >= 1 (the first warm-up step compiles)", file=sys.stderr)
         return 2
     if jax.device_count() < 8:
-        print(f"need 8 CPU devices, have {jax.device_count()}: was JAX imported before XLA_FLAGS was set?",
-              file=sys.stderr)
+        print(
+            f"need 8 CPU devices, have {jax.device_count()}: was JAX imported before XLA_FLAGS was set?",
+            file=sys.stderr,
+        )
         return 2
 
     try:
@@ -189,7 +201,11 @@ def main(argv=None) -> int:
     one, eight = runs
     ratio = eight["tokens_per_s"] / one["tokens_per_s"]
     result = {
-        "model": "tiny", "seq_len": SEQ_LEN, "global_batch": GLOBAL_BATCH, "dtype": args.dtype, "remat": args.remat,
+        "model": "tiny",
+        "seq_len": SEQ_LEN,
+        "global_batch": GLOBAL_BATCH,
+        "dtype": args.dtype,
+        "remat": args.remat,
         "model_gflop_per_step": flops_per_step / 1e9,
         "probe_gflops": {"before": probe_before / 1e9, "after": probe_after / 1e9, "used": probe / 1e9},
         "runs": runs,

@@ -9,7 +9,16 @@ V vocab, r a LoRA adapter's rank.
 """
 
 LOGICAL_AXES = (
-    "batch", "length", "cache_length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+    "batch",
+    "length",
+    "cache_length",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "layers",
     "lora_rank",
 )
 

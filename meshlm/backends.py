@@ -54,8 +54,9 @@ class Profile:
         return runtime.KEPT_BLOCK_BYTES if self.keep_host_memory() else 0
 
 
-CPU = Profile("cpu", float32_weight_gradients=True, fence_head_gradient=True, one_reduction_grad_norm=True,
-              keeps_host_memory=True)
+CPU = Profile(
+    "cpu", float32_weight_gradients=True, fence_head_gradient=True, one_reduction_grad_norm=True, keeps_host_memory=True
+)
 GPU = Profile("gpu", fused_attention=("cudnn", "triton"), unroll_layers=True)
 TPU = Profile("tpu", fused_attention=("splash",))
 PROFILES = {p.name: p for p in (CPU, GPU, TPU)}

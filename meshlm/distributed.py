@@ -26,8 +26,11 @@ from typing import Any
 
 from meshlm.errors import UsageError
 
-ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-       "process_id": "JAX_PROCESS_ID"}
+ENV = {
+    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
 # Variables whose presence means a cluster JAX can describe by itself.
 CLUSTER_HINTS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
 DEFAULT_PEER_TIMEOUT = 20.0
@@ -60,11 +63,20 @@ def _int(value, name: str) -> int:
         raise UsageError(f"--{name}={value!r} must be an integer") from None
 
 
-def resolve(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-            peer_timeout: float = DEFAULT_PEER_TIMEOUT, environ=None) -> Cluster:
+def resolve(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    environ=None,
+) -> Cluster:
     """The cluster from flags, then the JAX_* variables, then a cluster JAX recognises; checked."""
     environ = os.environ if environ is None else environ
-    given: dict[str, Any] = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    given: dict[str, Any] = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
     for key, var in ENV.items():
         if given[key] is None and environ.get(var):
             given[key] = environ[var]
@@ -85,7 +97,9 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
         raise UsageError("--process_id is missing: give each process its rank, 0 .. --num_processes - 1")
     pid = _int(given["process_id"], "process_id")
     if not 0 <= pid < n:
-        raise UsageError(f"--process_id={pid} is not in 0 .. {n - 1} (--num_processes={n}); number the processes from 0")
+        raise UsageError(
+            f"--process_id={pid} is not in 0 .. {n - 1} (--num_processes={n}); number the processes from 0"
+        )
     address = str(given["coordinator_address"] or "")
     if not address:
         raise UsageError("--coordinator_address is missing: give HOST:PORT of process 0, the same for every process")
@@ -110,8 +124,10 @@ def wait_for_coordinator(address: str, timeout: float) -> None:
                 return
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise UsageError(f"cannot reach the coordinator at {address} within {timeout:g} s ({e.strerror or e}); "
-                                 "start process 0 first, or fix --coordinator_address") from None
+                raise UsageError(
+                    f"cannot reach the coordinator at {address} within {timeout:g} s ({e.strerror or e}); "
+                    "start process 0 first, or fix --coordinator_address"
+                ) from None
             time.sleep(0.2)
 
 
@@ -132,11 +148,17 @@ def initialize(cluster: Cluster, *, connect_timeout: float = 60.0) -> None:
     else:
         if cluster.process_id > 0 and cluster.coordinator_address is not None:
             wait_for_coordinator(cluster.coordinator_address, connect_timeout)
-        jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id,
-                                   initialization_timeout=int(connect_timeout), heartbeat_timeout_seconds=heartbeat)
+        jax.distributed.initialize(
+            cluster.coordinator_address,
+            cluster.num_processes,
+            cluster.process_id,
+            initialization_timeout=int(connect_timeout),
+            heartbeat_timeout_seconds=heartbeat,
+        )
     _state["cluster"] = cluster
-    _state["watchdog"] = Watchdog(jax.process_index(), jax.process_count(), cluster.peer_timeout,
-                                  cluster.coordinator_address)
+    _state["watchdog"] = Watchdog(
+        jax.process_index(), jax.process_count(), cluster.peer_timeout, cluster.coordinator_address
+    )
     _state["watchdog"].start()
 
 
@@ -156,8 +178,15 @@ def _client():
 class Watchdog(threading.Thread):
     """Heartbeats in the coordinator's store; exits the process when a peer or the coordinator goes quiet."""
 
-    def __init__(self, process_id: int, num_processes: int, timeout: float, coordinator: str | None,
-                 exit=os._exit, clock=time.monotonic):
+    def __init__(
+        self,
+        process_id: int,
+        num_processes: int,
+        timeout: float,
+        coordinator: str | None,
+        exit=os._exit,
+        clock=time.monotonic,
+    ):
         super().__init__(name="meshlm-watchdog", daemon=True)
         self.pid, self.n, self.timeout, self.coordinator = process_id, num_processes, timeout, coordinator
         self._exit, self._clock = exit, clock
@@ -185,16 +214,24 @@ class Watchdog(threading.Thread):
         except Exception as e:
             if now - reachable_since > self.timeout:
                 where = f" at {self.coordinator}" if self.coordinator else ""
-                self._fail(f"lost the coordinator{where} for {self.timeout:g} s (process 0 died or the "
-                           f"network is down: {str(e).splitlines()[0][:120]})")
+                self._fail(
+                    f"lost the coordinator{where} for {self.timeout:g} s (process 0 died or the "
+                    f"network is down: {str(e).splitlines()[0][:120]})"
+                )
             return reachable_since
         for k in range(self.n):
             beat = stored.get(f"{_KEY}{k}")
             if k == self.pid or beat == "done":
                 continue
             if beat is not None and beat.startswith(_STOPPED):
-                leave_on_usage_error(self.pid, f"process {k} stopped: {beat[len(_STOPPED):]}", self._exit, client,
-                                     self.n, clock=self._clock)
+                leave_on_usage_error(
+                    self.pid,
+                    f"process {k} stopped: {beat[len(_STOPPED) :]}",
+                    self._exit,
+                    client,
+                    self.n,
+                    clock=self._clock,
+                )
                 return now
             last = seen.get(k)
             if last is None or last[0] != beat:
@@ -237,8 +274,10 @@ def diagnose(log: str, cluster: Cluster, returncode: int) -> str:
     if "heartbeat timeout" in log and (m := re.search(r"Task (\d+) heartbeat timeout", log)):
         return f"{me}: process {m.group(1)} stopped sending heartbeats (it died or lost the network); stopping"
     if "Socket closed" in log or "Connection refused" in log or "coordination service" in log.lower():
-        return (f"{me}: lost the coordinator at {cluster.coordinator_address} (process 0 died or the network is "
-                f"down); stopping")
+        return (
+            f"{me}: lost the coordinator at {cluster.coordinator_address} (process 0 died or the network is "
+            f"down); stopping"
+        )
     if returncode < 0:
         return f"{me}: killed by {signal.Signals(-returncode).name}"
     return f"{me}: failed with exit status {returncode}; its output is above"
@@ -257,8 +296,15 @@ def _die_with_parent() -> None:
 def supervise(argv: list[str], cluster: Cluster) -> int:
     """Run `python -m meshlm ARGV` as this process's worker; returns the exit status to use."""
     env = {**os.environ, WORKER_ENV: "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm", *argv], env=env, stderr=subprocess.PIPE, text=True,
-                            errors="replace", bufsize=1, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshlm", *argv],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        preexec_fn=_die_with_parent,
+    )
 
     def forward(signum, _frame):
         proc.send_signal(signum)
@@ -284,8 +330,14 @@ def supervise(argv: list[str], cluster: Cluster) -> int:
     return 1
 
 
-def run(command: str, argv: list[str], cluster: Cluster, work: Callable[[bool], Any], local_devices: int | None,
-        connect_timeout: float = 60.0):
+def run(
+    command: str,
+    argv: list[str],
+    cluster: Cluster,
+    work: Callable[[bool], Any],
+    local_devices: int | None,
+    connect_timeout: float = 60.0,
+):
     """`work(main)` here alone, or in each process of the cluster: `main` is True on process 0.
 
     A process of several re-runs `meshlm COMMAND ARGV` as a supervised child (`supervise`), joins the
@@ -318,8 +370,15 @@ def run_here(cluster: Cluster, work: Callable[[bool], Any], local_devices: int |
     return result
 
 
-def leave_on_usage_error(pid: int, message: str, exit=os._exit, client=None, n: int | None = None,
-                         grace: float = _USAGE_GRACE, clock=time.monotonic) -> None:
+def leave_on_usage_error(
+    pid: int,
+    message: str,
+    exit=os._exit,
+    client=None,
+    n: int | None = None,
+    grace: float = _USAGE_GRACE,
+    clock=time.monotonic,
+) -> None:
     """A usage error in one of `n` processes: one line, the others told through the coordinator's
     store (their watchdogs stop them with status 2 and the same message), then status 2. Process 0
     hosts the coordinator, so it leaves last: once every other process has left, or after `grace` s
@@ -335,8 +394,9 @@ def leave_on_usage_error(pid: int, message: str, exit=os._exit, client=None, n: 
             n = n or watchdog.n
         try:
             client = client or _client()
-            client.key_value_set(f"{_KEY}{pid}", _STOPPED + (message.splitlines() or [""])[0][:500],
-                                 allow_overwrite=True)
+            client.key_value_set(
+                f"{_KEY}{pid}", _STOPPED + (message.splitlines() or [""])[0][:500], allow_overwrite=True
+            )
             deadline = clock() + grace
             while pid == 0 and clock() < deadline:
                 stored = dict(client.key_value_dir_get(_KEY))
@@ -359,8 +419,11 @@ def fail_fast(error: BaseException) -> None:
     watchdog = _state.get("watchdog")
     if watchdog is not None and watchdog.is_alive():
         # A collective fails the moment a peer's socket closes; give the watchdog the time to name it.
-        print(f"process {pid}: {first}; waiting up to {watchdog.timeout + 2:g} s to learn which process is gone",
-              file=sys.stderr, flush=True)
+        print(
+            f"process {pid}: {first}; waiting up to {watchdog.timeout + 2:g} s to learn which process is gone",
+            file=sys.stderr,
+            flush=True,
+        )
         watchdog.join(watchdog.timeout + 2)
     print(f"error: process {pid}: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
     sys.stdout.flush()

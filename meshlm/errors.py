@@ -4,7 +4,7 @@ messages use to point at a near name."""
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class UsageError(ValueError):

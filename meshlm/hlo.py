@@ -25,8 +25,25 @@ import numpy as np
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 1,
+    "u4": 1,
 }
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
@@ -170,8 +187,10 @@ def inferred_trip_count(comps: dict[str, list[str]], caller: dict, while_rest: s
     if not cond or not body or cond.group(1) not in comps or body.group(1) not in comps:
         return None
     c_instrs = _instructions(comps[cond.group(1)])
-    root = next((m.group(1) for line in comps[cond.group(1)] if line.lstrip().startswith("ROOT")
-                 and (m := _INSTR.match(line))), None)
+    root = next(
+        (m.group(1) for line in comps[cond.group(1)] if line.lstrip().startswith("ROOT") and (m := _INSTR.match(line))),
+        None,
+    )
     if root is None or c_instrs[root][1] != "compare":
         return None
     direction = re.search(r"direction=(\w+)", c_instrs[root][2])
@@ -192,8 +211,9 @@ def inferred_trip_count(comps: dict[str, list[str]], caller: dict, while_rest: s
     # The step: element k of the body's root tuple, i + constant.
     b_instrs = _instructions(comps[body.group(1)])
     step = 1
-    broot = next((m for line in comps[body.group(1)]
-                  if line.lstrip().startswith("ROOT") and (m := _INSTR.match(line))), None)
+    broot = next(
+        (m for line in comps[body.group(1)] if line.lstrip().startswith("ROOT") and (m := _INSTR.match(line))), None
+    )
     if broot is not None and broot.group(3) == "tuple" and k < len(elems := _operands(broot.group(4))):
         name = elems[k]
         while b_instrs.get(name, ("", "", ""))[1] == "copy" and _operands(b_instrs[name][2]):
@@ -202,8 +222,13 @@ def inferred_trip_count(comps: dict[str, list[str]], caller: dict, while_rest: s
             step = next((v for x in _operands(b_instrs[name][2]) if (v := _constant(b_instrs, x)) is not None), 1)
     if step == 0:
         return None
-    span = {"LT": limit - init, "LE": limit - init + 1, "NE": limit - init,
-            "GT": init - limit, "GE": init - limit + 1}.get(d)
+    span = {
+        "LT": limit - init,
+        "LE": limit - init + 1,
+        "NE": limit - init,
+        "GT": init - limit,
+        "GE": init - limit + 1,
+    }.get(d)
     if span is None:
         return None
     return max(0, -(-span // abs(step)))
@@ -274,7 +299,7 @@ def _read(m: re.Match, count: int) -> Collective:
     if op.endswith("-start") and shape.lstrip().startswith("(") and kind in ("all-gather", "collective-permute"):
         # (operands..., results..., u32[] contexts...): XLA:TPU appends the contexts.
         result = array_bytes(re.sub(r"u32\[\][^,)]*", "", shape))
-        ins, outs = result[:len(result) // 2], result[len(result) // 2:]
+        ins, outs = result[: len(result) // 2], result[len(result) // 2 :]
         result = outs if kind == "all-gather" else ins
     if kind == "all-gather":
         payload = sum(result)
@@ -313,8 +338,9 @@ def first_group(attrs: str, n: int) -> list[int] | None:
         if m.group(4):
             ids = ids.transpose([int(d) for d in m.group(4).split(",")])
         return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
-                      attrs):
+    if m := re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attrs
+    ):
         names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
         keep = set(re.findall(r"'([^']+)'", m.group(4)))
         ids = np.arange(n)
@@ -351,6 +377,9 @@ def on_mesh(text: str, mesh) -> list[MeshCollective]:
         if c.kind == "reduce-scatter" and not array_bytes(m.group(4).split(")", 1)[0]):
             payload *= c.group_size
         axes = axes_of(first_group(m.group(4), mesh.devices.size), mesh)
-        out.append(MeshCollective(c.kind, axes, payload, count, c.op_name.removeprefix("jit(step)/"),
-                                  tuple(array_shapes(m.group(2)))))
+        out.append(
+            MeshCollective(
+                c.kind, axes, payload, count, c.op_name.removeprefix("jit(step)/"), tuple(array_shapes(m.group(2)))
+            )
+        )
     return out

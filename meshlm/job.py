@@ -44,6 +44,7 @@ class Job:
 
 # ------------------------------------------------------------------------------------ the model
 
+
 def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelConfig, Path | None]:
     """(model config, --init_from source) from --model, --model.FIELD, --init_from and the precision
     flags; `auto` dtype for `backend` (default: the one JAX runs on). Checks --seq_len against the
@@ -64,8 +65,9 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
         model = preset_or_config(cfg.model or "tiny", cfg.model_overrides)
     else:
         model = apply_overrides(read_model_config(init_source), cfg.model_overrides)
-    model = model.replace(dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat,
-                          attention=cfg.attention)
+    model = model.replace(
+        dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention
+    )
     check_context(cfg.seq_len, model)
     return model, init_source
 
@@ -81,25 +83,37 @@ def preset_name(name: str) -> str:
     if name.lower() in by_lower:
         return by_lower[name.lower()]
     if close := closest(name.lower(), by_lower, cutoff=0.6):
-        raise UsageError(f"--model={name!r} is neither a preset nor a config.json path; did you mean "
-                         f"--model={by_lower[close]}?")
+        raise UsageError(
+            f"--model={name!r} is neither a preset nor a config.json path; did you mean --model={by_lower[close]}?"
+        )
     return name  # the preset table's own error lists every preset
 
 
 def check_context(seq_len: int, model: ModelConfig) -> None:
     if seq_len > model.max_seq_len:
-        raise UsageError(f"--seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
-                         "raise --model.max_seq_len or shorten --seq_len")
+        raise UsageError(
+            f"--seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+            "raise --model.max_seq_len or shorten --seq_len"
+        )
 
 
 # ------------------------------------------------------------------------------------ the mesh
+
 
 def pipeline_schedule(cfg: TrainConfig, shape: MeshShape, n_layers: int):
     """The `--pp` flags checked (one line each, before anything compiles) and the schedule they give."""
     from meshlm.ops.pipeline import schedule_for_job
 
-    return schedule_for_job(cfg.pipeline_schedule, shape.pp, cfg.microbatches, cfg.virtual_stages, n_layers,
-                            cfg.batch_size, cfg.grad_accum, shape.data)
+    return schedule_for_job(
+        cfg.pipeline_schedule,
+        shape.pp,
+        cfg.microbatches,
+        cfg.virtual_stages,
+        n_layers,
+        cfg.batch_size,
+        cfg.grad_accum,
+        shape.data,
+    )
 
 
 def device_memory(device=None) -> tuple[float | None, str]:
@@ -113,8 +127,10 @@ def device_memory(device=None) -> tuple[float | None, str]:
     device = device or jax.local_devices()[0]
     if device.platform == "cpu":
         n = jax.local_device_count()
-        return host_memory_budget() / n, (f"this host's {host_memory_bytes() / 2**30:.1f} GiB of memory leaves each "
-                                          f"of its {n} simulated device(s) after the operating system's share")
+        return host_memory_budget() / n, (
+            f"this host's {host_memory_bytes() / 2**30:.1f} GiB of memory leaves each "
+            f"of its {n} simulated device(s) after the operating system's share"
+        )
     return device_memory_budget(device), f"JAX may use of one {device.device_kind}"
 
 
@@ -174,13 +190,21 @@ def check_auto_remat(cfg: TrainConfig) -> None:
 
     if cfg.remat != "auto" or "remat" not in cfg.given:
         return
-    other = [f"--{name}={value}" for name, value in (("strategy", cfg.strategy), ("zero_stage", cfg.zero_stage),
-                                                      ("sharding_rules", cfg.sharding_rules))
-             if value is not None and value != PLANNED_STRATEGY]
+    other = [
+        f"--{name}={value}"
+        for name, value in (
+            ("strategy", cfg.strategy),
+            ("zero_stage", cfg.zero_stage),
+            ("sharding_rules", cfg.sharding_rules),
+        )
+        if value is not None and value != PLANNED_STRATEGY
+    ]
     if other:
-        raise UsageError(f"--remat=auto with {' '.join(other)}: the memory model that chooses it plans only "
-                         f"--strategy={PLANNED_STRATEGY}; name a policy instead, e.g. --remat=save_qkv_attn "
-                         f"(or --remat=full)")
+        raise UsageError(
+            f"--remat=auto with {' '.join(other)}: the memory model that chooses it plans only "
+            f"--strategy={PLANNED_STRATEGY}; name a policy instead, e.g. --remat=save_qkv_attn "
+            f"(or --remat=full)"
+        )
 
 
 MEMORY_CHECK = "MESHLM_MEMORY_CHECK"  # 0: run a job the memory model predicts not to fit
@@ -215,8 +239,15 @@ def check_memory(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=
 
 def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
     """The mesh against the job: batch, sequence and model dimensions divide as the axes need."""
-    meshlib.validate_mesh_shape(shape, batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_heads=model.n_heads,
-                                n_kv_heads=model.n_kv_heads, mlp_dim=model.mlp_dim, vocab_size=model.vocab_size)
+    meshlib.validate_mesh_shape(
+        shape,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        mlp_dim=model.mlp_dim,
+        vocab_size=model.vocab_size,
+    )
     if (cfg.batch_size // cfg.grad_accum) % shape.data:
         raise UsageError(
             f"--batch_size={cfg.batch_size} / --grad_accum={cfg.grad_accum} = {cfg.batch_size // cfg.grad_accum} "
@@ -232,8 +263,16 @@ def check_kernel(model: ModelConfig, seq_len: int) -> None:
 
     if model.attention in ("auto", "dense", "blockwise"):
         return
-    call = kernels.Call(platform=kernels.default_platform(), q_len=seq_len, kv_len=seq_len, head_dim=model.head_dim,
-                        dtype=model.dtype, packed=False, causal=True, gpu_capability=kernels.gpu_capability())
+    call = kernels.Call(
+        platform=kernels.default_platform(),
+        q_len=seq_len,
+        kv_len=seq_len,
+        head_dim=model.head_dim,
+        dtype=model.dtype,
+        packed=False,
+        causal=True,
+        gpu_capability=kernels.gpu_capability(),
+    )
     kernels.choose(model.attention, call)  # one UsageError line when it cannot serve the job
 
 
@@ -246,20 +285,25 @@ def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False)
     strategy, rules = choose(cfg.strategy, cfg.zero_stage, cfg.sharding_rules)
     check_pipelined(strategy, shape.as_dict(), pipelined)
     if rules and rules.layers and pipelined:
-        raise UsageError(f"{cfg.sharding_rules}: [[layers]] ranges with --pp: the pipeline stages already split "
-                         "the layers; drop one of them")
+        raise UsageError(
+            f"{cfg.sharding_rules}: [[layers]] ranges with --pp: the pipeline stages already split "
+            "the layers; drop one of them"
+        )
     sizes = shape.as_dict()
     rows = cfg.batch_size // cfg.grad_accum
     for s in (strategy, *(r.strategy for r in (rules.layers if rules else ()))):
         axes = [a for a in as_tuple(s.activations.get("batch")) if sizes.get(a, 1) > 1]
         ways = math.prod(sizes[a] for a in axes)
         if rows % ways:
-            raise UsageError(f"--strategy={s.name.split('+')[0]} splits the batch over {'×'.join(axes)} = {ways} devices "
-                             f"but a step has {rows} rows; use a --batch_size that is a multiple of {ways * cfg.grad_accum}")
+            raise UsageError(
+                f"--strategy={s.name.split('+')[0]} splits the batch over {'×'.join(axes)} = {ways} devices "
+                f"but a step has {rows} rows; use a --batch_size that is a multiple of {ways * cfg.grad_accum}"
+            )
     return strategy, rules
 
 
 # ------------------------------------------------------------------------------------ whole jobs
+
 
 def check_output(cfg: TrainConfig, model: ModelConfig) -> None:
     """--output_dir can hold the run (a folder, not a file or under one), and a checkpoint already in
@@ -284,13 +328,16 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
     cfg.validate()
     model, init_source = resolve_model(cfg)
     # The checks that read nothing first, then the run folder and the checkpoint in it.
-    shape, dcn = meshlib.resolve_hybrid(cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim,
-                                        jax.device_count(), jax.process_count(), cfg.pp)
+    shape, dcn = meshlib.resolve_hybrid(
+        cfg.mesh_dim, cfg.mp_mesh_dim, cfg.fsdp, cfg.dcn_mesh_dim, jax.device_count(), jax.process_count(), cfg.pp
+    )
     pipeline = pipeline_schedule(cfg, shape, model.n_layers) if shape.pp > 1 else None
     check_mesh(cfg, shape, model)
     strategy, rules = choose_strategy(cfg, shape, pipeline is not None)
     if init_source is not None and rules and rules.layers:
-        raise UsageError("--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]")
+        raise UsageError(
+            "--init_from with [[layers]] ranges is not supported yet; start from scratch or drop [[layers]]"
+        )
     check_auto_remat(cfg)
     if output:  # a training job on the devices JAX has (explain may compile for a TPU topology instead)
         check_kernel(model, cfg.seq_len)
@@ -303,8 +350,15 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
     return _build(job) if build else job
 
 
-def resolve_serving(model: ModelConfig, *, mesh_dim: str, dtype: str = "auto", max_batch: int | None = None,
-                    max_seq_len: int | None = None, build: bool = True) -> Job:
+def resolve_serving(
+    model: ModelConfig,
+    *,
+    mesh_dim: str,
+    dtype: str = "auto",
+    max_batch: int | None = None,
+    max_seq_len: int | None = None,
+    build: bool = True,
+) -> Job:
     """A serving job for a model read from its weights: --mesh_dim over the devices JAX has (hosts
     over dp first), compute and weight dtype `dtype`, no remat. Checks the decode batch (default
     dp×fsdp), the context (default the model's, at most 2048) and the model's dimensions against the
@@ -343,9 +397,15 @@ def serving_misfit(shape: MeshShape, model: ModelConfig, max_batch: int | None, 
     """Why a serving mesh cannot hold this model and its KV cache, or None: train's checks (decode
     slots as the batch, the cache's context as seq_len, heads, MLP and vocabulary over tp, in train's
     words), and the weights' embedding dimension over fsdp×sp, as serving lays them out."""
-    problem = meshlib.check_shape_fits(shape, batch_size=max_batch or shape.data, seq_len=context,
-                                       n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, mlp_dim=model.mlp_dim,
-                                       vocab_size=model.vocab_size)
+    problem = meshlib.check_shape_fits(
+        shape,
+        batch_size=max_batch or shape.data,
+        seq_len=context,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        mlp_dim=model.mlp_dim,
+        vocab_size=model.vocab_size,
+    )
     if problem is None and model.d_model % (shape.fsdp * shape.sp):
         problem = f"d_model = {model.d_model} is not divisible by fsdp×sp = {shape.fsdp * shape.sp}"
     return problem
@@ -354,12 +414,15 @@ def serving_misfit(shape: MeshShape, model: ModelConfig, max_batch: int | None, 
 def check_max_batch(max_batch: int, data: int) -> None:
     """--max_batch against the data-parallel size `data` (dp×fsdp): each data shard serves as many slots."""
     if max_batch <= 0 or max_batch % data:
-        raise UsageError(f"--max_batch={max_batch} must be a positive multiple of dp×fsdp = {data} "
-                         f"(try --max_batch={max(data, math.ceil(max(max_batch, 1) / data) * data)})")
+        raise UsageError(
+            f"--max_batch={max_batch} must be a positive multiple of dp×fsdp = {data} "
+            f"(try --max_batch={max(data, math.ceil(max(max_batch, 1) / data) * data)})"
+        )
 
 
-def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int,
-                       mesh_dim: str | None = None) -> None:
+def check_serving_mesh(
+    shape: MeshShape, model: ModelConfig, max_batch: int | None, context: int, mesh_dim: str | None = None
+) -> None:
     """One line, as train's: the problem and meshes of these devices that serve the model, or the
     serving flags to change (serving has no --strategy). `mesh_dim`: the flag as given, named beside the
     resolved mesh when it had a -1 (the default, tp over every device, is one)."""
@@ -368,11 +431,15 @@ def check_serving_mesh(shape: MeshShape, model: ModelConfig, max_batch: int | No
     problem = serving_misfit(shape, model, max_batch, context)
     if problem is None:
         return
-    working = [s for s in meshlib.all_mesh_shapes(shape.n_devices) if serving_misfit(s, model, max_batch, context) is None]
+    working = [
+        s for s in meshlib.all_mesh_shapes(shape.n_devices) if serving_misfit(s, model, max_batch, context) is None
+    ]
     working.sort(key=lambda s: (-s.fsdp, -s.tp, s.sp, s.dp))  # as train lists them
-    hint = (f"meshes that work on these {shape.n_devices} devices: " + ", ".join(f"--mesh_dim={s}" for s in working[:4])
-            if working else f"no mesh of these {shape.n_devices} devices fits; change --devices, --max_batch or "
-            "--max_seq_len")
+    hint = (
+        f"meshes that work on these {shape.n_devices} devices: " + ", ".join(f"--mesh_dim={s}" for s in working[:4])
+        if working
+        else f"no mesh of these {shape.n_devices} devices fits; change --devices, --max_batch or --max_seq_len"
+    )
     given = f"--mesh_dim={mesh_dim} (that is {shape})" if mesh_dim and "-1" in mesh_dim else f"--mesh_dim={shape}"
     raise UsageError(f"{given}: {problem}; {hint}")
 

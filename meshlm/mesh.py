@@ -69,7 +69,9 @@ def _parse_int(text: str, what: str) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise UsageError(f"{what}: {text.strip()!r} is not an integer; use positive integers and at most one -1") from None
+        raise UsageError(
+            f"{what}: {text.strip()!r} is not an integer; use positive integers and at most one -1"
+        ) from None
     if value == 0 or value < -1:
         raise UsageError(f"{what}: {value} is not a valid axis size; use positive integers and at most one -1")
     return value
@@ -90,7 +92,8 @@ def _fill(sizes: list[int], n_devices: int, flag: str, unit: str = "devices") ->
         raise UsageError(
             f"{flag}: the axes multiply to {known} but there {'is' if n_devices == 1 else 'are'} {n_devices} "
             f"{unit[:-1] if n_devices == 1 else unit}; "
-            f"make the product {n_devices} or use -1 for one axis" + (f" (or --devices={known} on CPU)" if unit == "devices" else "")
+            f"make the product {n_devices} or use -1 for one axis"
+            + (f" (or --devices={known} on CPU)" if unit == "devices" else "")
         )
     return sizes
 
@@ -113,12 +116,16 @@ def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim", pp:
             if name == "pp" and flag_name == "--mesh_dim":
                 named_pp = _parse_int(value, flag)
                 if named_pp == -1 or (pp > 1 and named_pp != pp):
-                    raise UsageError(f"{flag}: give pp a size, once (pp:{pp if pp > 1 else 2} or --pp={pp if pp > 1 else 2})")
+                    raise UsageError(
+                        f"{flag}: give pp a size, once (pp:{pp if pp > 1 else 2} or --pp={pp if pp > 1 else 2})"
+                    )
                 pp = named_pp
                 continue
             if name not in AXES:
-                raise UsageError(f"{flag}: unknown axis {name!r}; the axes are {', '.join(AXES)}"
-                                 + (" and pp" if flag_name == "--mesh_dim" else ""))
+                raise UsageError(
+                    f"{flag}: unknown axis {name!r}; the axes are {', '.join(AXES)}"
+                    + (" and pp" if flag_name == "--mesh_dim" else "")
+                )
             if name in seen:
                 raise UsageError(f"{flag}: axis {name!r} is given twice")
             seen.add(name)
@@ -132,7 +139,13 @@ def parse_mesh_dim(text: str, n_devices: int, flag_name: str = "--mesh_dim", pp:
         values = [_parse_int(p, flag) for p in parts]
     if n_devices % pp:
         raise UsageError(f"--pp={pp} does not divide the {n_devices} devices; use a pp that does")
-    unit = "hosts" if flag_name == "--dcn_mesh_dim" else "devices" if pp == 1 else f"devices per stage (of {n_devices} / pp={pp})"
+    unit = (
+        "hosts"
+        if flag_name == "--dcn_mesh_dim"
+        else "devices"
+        if pp == 1
+        else f"devices per stage (of {n_devices} / pp={pp})"
+    )
     dp, fsdp, tp, sp = _fill(values, n_devices // pp, flag, unit)
     return MeshShape(dp, fsdp, tp, sp, pp=pp)
 
@@ -153,8 +166,9 @@ def parse_mp_mesh_dim(text: str, n_devices: int, fsdp: bool = False) -> MeshShap
     return MeshShape(dp=1, fsdp=data, tp=tp, sp=sp) if fsdp else MeshShape(dp=data, fsdp=1, tp=tp, sp=sp)
 
 
-def resolve_mesh_shape(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, n_devices: int,
-                       pp: int = 1) -> MeshShape:
+def resolve_mesh_shape(
+    mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, n_devices: int, pp: int = 1
+) -> MeshShape:
     """What the flags mean together. Default: everything on fsdp (the usual best choice)."""
     if mesh_dim and mp_mesh_dim:
         raise UsageError("--mesh_dim and --mp_mesh_dim both given; use one (--mesh_dim=dp,fsdp,tp,sp is the full form)")
@@ -215,7 +229,9 @@ def validate_mesh_shape(shape: MeshShape, **job) -> None:
     # Prefer large fsdp (the usual best), then tp, then sp: the order users should try them in.
     working.sort(key=lambda s: (-s.fsdp, -s.tp, s.sp, s.dp))
     hint = (
-        "meshes that work on these " + f"{shape.n_devices} devices: " + ", ".join(f"--mesh_dim={s}" for s in working[:4])
+        "meshes that work on these "
+        + f"{shape.n_devices} devices: "
+        + ", ".join(f"--mesh_dim={s}" for s in working[:4])
         if working
         else "no mesh of these devices fits; change the batch size, seq_len or model shape"
     )
@@ -230,13 +246,22 @@ def split_over_hosts(shape: MeshShape, n_hosts: int) -> MeshShape:
         f = math.gcd(left, getattr(shape, axis))
         factors[axis], left = f, left // f
     if left != 1:
-        raise UsageError(f"--mesh_dim={shape} cannot be spread over {n_hosts} hosts (each axis must split evenly "
-                         "across them); give --dcn_mesh_dim=dp,fsdp,tp,sp with a product of the host count")
+        raise UsageError(
+            f"--mesh_dim={shape} cannot be spread over {n_hosts} hosts (each axis must split evenly "
+            "across them); give --dcn_mesh_dim=dp,fsdp,tp,sp with a product of the host count"
+        )
     return MeshShape(**factors)
 
 
-def resolve_hybrid(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, dcn_mesh_dim: str | None,
-                   n_devices: int, n_hosts: int, pp: int = 1) -> tuple[MeshShape, MeshShape]:
+def resolve_hybrid(
+    mesh_dim: str | None,
+    mp_mesh_dim: str | None,
+    fsdp: bool,
+    dcn_mesh_dim: str | None,
+    n_devices: int,
+    n_hosts: int,
+    pp: int = 1,
+) -> tuple[MeshShape, MeshShape]:
     """(whole mesh, factors across hosts) from the flags.
 
     With `--dcn_mesh_dim`, `--mesh_dim` is one host's share of the devices and each axis is the
@@ -247,7 +272,9 @@ def resolve_hybrid(mesh_dim: str | None, mp_mesh_dim: str | None, fsdp: bool, dc
     if pp > 1:
         raise UsageError("--dcn_mesh_dim does not take a pipeline yet: leave it out and the hosts go to pp first")
     if n_devices % n_hosts:
-        raise UsageError(f"{n_devices} devices do not split evenly over {n_hosts} hosts; give every host the same count")
+        raise UsageError(
+            f"{n_devices} devices do not split evenly over {n_hosts} hosts; give every host the same count"
+        )
     local = resolve_mesh_shape(mesh_dim, mp_mesh_dim, fsdp, n_devices // n_hosts)
     dcn = parse_mesh_dim(dcn_mesh_dim, n_hosts, "--dcn_mesh_dim")
     return MeshShape(*(a * b for a, b in zip(local.sizes, dcn.sizes))), dcn
@@ -275,8 +302,10 @@ def build_mesh(shape: MeshShape, devices=None, dcn: MeshShape | None = None):
     hosts = len({d.slice_index if by_slice else d.process_index for d in devices})  # TPU slices, else processes
     dcn_sizes = (dcn.pp, *dcn.sizes) if shape.pp > 1 else dcn.sizes
     if hosts != dcn.n_devices or any(a % b for a, b in zip(sizes, dcn_sizes)):
-        raise UsageError(f"--dcn_mesh_dim={dcn} does not fit {hosts} hosts of {len(devices) // max(hosts, 1)} devices "
-                         f"for the mesh {shape}: its product must be the host count and divide each axis")
+        raise UsageError(
+            f"--dcn_mesh_dim={dcn} does not fit {hosts} hosts of {len(devices) // max(hosts, 1)} devices "
+            f"for the mesh {shape}: its product must be the host count and divide each axis"
+        )
     ici = tuple(a // b for a, b in zip(sizes, dcn_sizes))
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn_sizes, devices, process_is_granule=not by_slice)
     return Mesh(np.asarray(grid), names, axis_types=axis_types)

@@ -89,8 +89,9 @@ PIPELINE_CPU_COMPILER_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler
 WIDE_VECTOR_CPU_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
 
 
-def compiler_options(platform: str, *, pipelined: bool = False, cpuinfo: str | None = None,
-                     environ=None) -> dict | None:
+def compiler_options(
+    platform: str, *, pipelined: bool = False, cpuinfo: str | None = None, environ=None
+) -> dict | None:
     """The XLA options meshlm's train and eval programs compile with on `platform` (None: XLA's
     defaults). On CPU: 512-bit loops where the CPU has AVX-512, unless `MESHLM_XLA_PRESET=0` or the
     user's `XLA_FLAGS` chooses a vector width itself; a pipelined step keeps XLA:CPU's default
@@ -100,7 +101,11 @@ def compiler_options(platform: str, *, pipelined: bool = False, cpuinfo: str | N
     environ = os.environ if environ is None else environ
     options = dict(PIPELINE_CPU_COMPILER_OPTIONS) if pipelined else {}
     preset = environ.get("MESHLM_XLA_PRESET", "").strip().lower() not in OFF
-    if preset and "avx512f" in _cpu_flags(cpuinfo) and "xla_cpu_prefer_vector_width" not in environ.get("XLA_FLAGS", ""):
+    if (
+        preset
+        and "avx512f" in _cpu_flags(cpuinfo)
+        and "xla_cpu_prefer_vector_width" not in environ.get("XLA_FLAGS", "")
+    ):
         options.update(WIDE_VECTOR_CPU_COMPILER_OPTIONS)
     return options or None
 
@@ -163,6 +168,7 @@ def resolve_dtype(dtype: str, backend: str | None = None, serving: bool = False)
 
 
 # ------------------------------------------------------------------------------------ which backend
+
 
 def platform_kind(name: str) -> str:
     """'gpu', 'tpu' or 'cpu' for a JAX platform name (cuda and rocm are GPUs)."""
@@ -244,6 +250,7 @@ def skip_absent_tpu(environ=None) -> str | None:
 
 # ------------------------------------------------------------------------------------ runtime settings
 
+
 def xla_flag_preset(backend: str) -> dict[str, str]:
     """{environment variable: flags} meshlm sets for `backend` ('gpu', 'tpu', 'cpu'); {} on CPU."""
     return {var: " ".join(flags) for var, flags in PRESETS[platform_kind(backend)].items()}
@@ -313,8 +320,13 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 # What the step's host allocator keeps: every freed byte (nothing trimmed back to the kernel), heaps
 # grown 64 MiB at a time (glibc's largest per-thread heap), and no allocation served by its own mmap.
 HOST_ALLOCATOR_SETTINGS = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1, _M_TOP_PAD: 64 << 20}
-_MALLOC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                     "MALLOC_ARENA_MAX")
+_MALLOC_VARIABLES = (
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_ARENA_MAX",
+)
 _host_allocator_kept: bool | None = None
 # The largest block glibc serves from a thread's own heap (HEAP_MAX_SIZE on 64-bit: 2 × the 32 MiB mmap
 # threshold's ceiling); a larger one is mmap'd and unmapped whatever the settings, so a step whose
@@ -357,6 +369,7 @@ def keep_host_memory(environ=None) -> bool:
 
 # ------------------------------------------------------------------------------------ device memory
 
+
 def gpu_memory_fraction(environ=None) -> tuple[float, str]:
     """(share of each GPU's memory JAX may use, which setting says so), read as jaxlib reads it:
     `XLA_CLIENT_MEM_FRACTION` (or the older `XLA_PYTHON_CLIENT_MEM_FRACTION`), else 0.75 whether or
@@ -366,8 +379,10 @@ def gpu_memory_fraction(environ=None) -> tuple[float, str]:
         return 1.0, "XLA_PYTHON_CLIENT_ALLOCATOR=platform"
     new, old = environ.get("XLA_CLIENT_MEM_FRACTION", ""), environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
     if new and old:
-        raise UsageError("XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both set; "
-                         "unset XLA_PYTHON_CLIENT_MEM_FRACTION (JAX refuses both)")
+        raise UsageError(
+            "XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both set; "
+            "unset XLA_PYTHON_CLIENT_MEM_FRACTION (JAX refuses both)"
+        )
     var = "XLA_CLIENT_MEM_FRACTION" if new else "XLA_PYTHON_CLIENT_MEM_FRACTION"
     value = new or old
     if not value:

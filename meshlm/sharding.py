@@ -16,12 +16,14 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshlm.axes import KEYS, QUERIES, TOKENS
 from meshlm.errors import UsageError
@@ -72,8 +74,12 @@ def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
 _as_tuple = as_tuple
 
 
-def logical_to_spec(logical: Sequence[str | None], table: Mapping[str, MeshAxes], mesh: Mesh | None = None,
-                    shared: frozenset[str] = frozenset()) -> P:
+def logical_to_spec(
+    logical: Sequence[str | None],
+    table: Mapping[str, MeshAxes],
+    mesh: Mesh | None = None,
+    shared: frozenset[str] = frozenset(),
+) -> P:
     """Map logical axis names to a PartitionSpec. Mesh axes of size 1, or absent from the mesh (pp
     without a pipeline), are dropped: they shard nothing. A `shared` logical axis gives up a mesh axis
     that another dimension of the same array claims; any other clash is an error."""
@@ -135,13 +141,16 @@ def kv_head_copies(n_kv_heads: int, n_heads: int) -> int:
         return 1
     copies = math.lcm(n_kv_heads, ways) // n_kv_heads
     if n_heads % (n_kv_heads * copies):
-        raise UsageError(f"{n_heads} query heads do not split over the {ways} ways the mesh splits heads; "
-                         f"choose a tp that divides {n_heads}")
+        raise UsageError(
+            f"{n_heads} query heads do not split over the {ways} ways the mesh splits heads; "
+            f"choose a tp that divides {n_heads}"
+        )
     return copies
 
 
-def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any | None = None,
-                what: str = "params") -> Any:
+def param_specs(
+    logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any | None = None, what: str = "params"
+) -> Any:
     """Pytree of logical PartitionSpecs (from `nnx.get_partition_spec`) -> pytree of mesh PartitionSpecs,
     by the strategy's table for `what` (params, grads or opt_state)."""
 
@@ -150,7 +159,9 @@ def param_specs(logical_specs: Any, strategy: Strategy, mesh: Mesh, shapes: Any 
         if shape is not None:
             spec = replicate_short_kv_heads(spec, tuple(logical), shape, mesh)
         if shape is not None and (problem := spec_divides(spec, shape, mesh)):
-            raise UsageError(f"parameter {jax.tree_util.keystr(path)} {tuple(shape)}: {problem}; choose another mesh_dim")
+            raise UsageError(
+                f"parameter {jax.tree_util.keystr(path)} {tuple(shape)}: {problem}; choose another mesh_dim"
+            )
         return spec
 
     is_leaf = lambda x: isinstance(x, P)  # noqa: E731
@@ -224,8 +235,7 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     mesh, strategy = active.mesh, active.strategy
     table_axes = [a for a in _as_tuple(strategy.params.get("embed")) if mesh.shape.get(a, 1) > 1]
     batch, length = (list(_as_tuple(e)) for e in logical_to_spec(TOKENS, strategy.activations, mesh, strategy.shared))
-    if (not table_axes or _manual_context() is not None
-            or any(a not in batch and a not in length for a in table_axes)):
+    if not table_axes or _manual_context() is not None or any(a not in batch and a not in length for a in table_axes):
         gathered = logical_to_spec(("vocab", "embed"), strategy.activations, mesh, strategy.shared)
         return jnp.take(_pin(table, gathered, active), tokens, axis=0)
     rows_batch, rows_length = [a for a in batch if a not in table_axes], [a for a in length if a not in table_axes]
@@ -242,8 +252,9 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return x
 
 
-def filter_axes(axes: MeshAxes | Sequence[str], *, drop: Collection[str] = (),
-                only: Collection[str] | None = None) -> MeshAxes:
+def filter_axes(
+    axes: MeshAxes | Sequence[str], *, drop: Collection[str] = (), only: Collection[str] | None = None
+) -> MeshAxes:
     """Mesh axes (a table or spec entry, or a sequence of axes) as one PartitionSpec entry (None, one
     axis, or a tuple of them), keeping those in `only` (all when None) and not in `drop`."""
     kept = tuple(a for a in as_tuple(axes) if a not in drop and (only is None or a in only))
@@ -290,8 +301,11 @@ def _manual_context():
 def splits_over(specs: Any, axes: Sequence[str]) -> bool:
     """Whether any PartitionSpec in the tree `specs` splits a dimension over one of these mesh axes."""
     wanted = set(axes)
-    return any(wanted.intersection(_as_tuple(e)) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-               for e in spec)
+    return any(
+        wanted.intersection(_as_tuple(e))
+        for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        for e in spec
+    )
 
 
 def global_norm(tree: Any, mesh: Mesh, specs: Any) -> jax.Array:
@@ -352,7 +366,9 @@ def ring_spec() -> RingSpec | None:
     if not axes:
         return None
     if len(axes) > 1:
-        raise UsageError(f"strategy {active.strategy.name!r} splits length over {axes}; RingAttention needs one mesh axis")
+        raise UsageError(
+            f"strategy {active.strategy.name!r} splits length over {axes}; RingAttention needs one mesh axis"
+        )
     table = active.strategy.activations
     # Inside a shard_map that is manual over other axes (ZeRO stages 0-2 over the data axes), the ring's
     # own shard_map must name the context's mesh, whose types say which axes are already manual.
@@ -410,8 +426,26 @@ def describe_specs(specs: Any) -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "Strategy", "for_decoding", "logical_to_spec", "param_specs", "named", "replicated",
-    "activate", "constrain", "activation_spec", "batch_sharding", "RingSpec", "ring_spec",
-    "data_parallel_size", "sequence_parallel_size", "KernelLayout", "kernel_layout", "active_platform", "describe_specs",
-    "filter_axes", "filter_spec", "without_axes", "micro_batches",
+    "Strategy",
+    "for_decoding",
+    "logical_to_spec",
+    "param_specs",
+    "named",
+    "replicated",
+    "activate",
+    "constrain",
+    "activation_spec",
+    "batch_sharding",
+    "RingSpec",
+    "ring_spec",
+    "data_parallel_size",
+    "sequence_parallel_size",
+    "KernelLayout",
+    "kernel_layout",
+    "active_platform",
+    "describe_specs",
+    "filter_axes",
+    "filter_spec",
+    "without_axes",
+    "micro_batches",
 ]

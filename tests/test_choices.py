@@ -23,8 +23,13 @@ def _literals(tree: ast.AST, keys: bool):
     """The string sets written as one tuple, list or set (and with `keys`, as a dict's keys; elsewhere a
     dict keyed by the choices holds data about each, e.g. the cost model's per-policy table)."""
     for node in ast.walk(tree):
-        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else \
-            node.keys if keys and isinstance(node, ast.Dict) else None
+        items = (
+            node.elts
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            else node.keys
+            if keys and isinstance(node, ast.Dict)
+            else None
+        )
         strings = {i.value for i in items or () if isinstance(i, ast.Constant) and isinstance(i.value, str)}
         if len(strings) >= 2:
             yield strings
@@ -47,8 +52,12 @@ def test_each_list_of_choices_is_declared_once(choice):
 def test_the_lora_targets_default_is_written_once():
     from meshlm.models.lora_options import DEFAULT_TARGETS
 
-    found = [str(p.relative_to(ROOT.parent)) for p in sorted(ROOT.rglob("*.py")) for n in ast.walk(ast.parse(p.read_text()))
-             if isinstance(n, ast.Constant) and n.value == DEFAULT_TARGETS]
+    found = [
+        str(p.relative_to(ROOT.parent))
+        for p in sorted(ROOT.rglob("*.py"))
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Constant) and n.value == DEFAULT_TARGETS
+    ]
     assert found == ["meshlm/models/lora_options.py"]
 
 

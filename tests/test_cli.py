@@ -40,17 +40,26 @@ BAD = [
     # whole flag names only: `--step` is the checkpoint step in generate and serve, not train's --steps
     (["train", "--step=5"], "unknown flag --step; did you mean --steps?"),
     (["explain", "--devices=8", "--mesh=1,4,2,1"], "unrecognized arguments: --mesh=1,4,2,1"),
-    (["explain", "--devices=8", "--model=test", "--tensor=layers/mlp/gat"],
-     "--tensor=layers/mlp/gat: no such parameter; did you mean --tensor=layers/mlp/gate?"),
+    (
+        ["explain", "--devices=8", "--model=test", "--tensor=layers/mlp/gat"],
+        "--tensor=layers/mlp/gat: no such parameter; did you mean --tensor=layers/mlp/gate?",
+    ),
     # a model field that is a flag of its own is set by the flag (which would otherwise override it)
     (["train", "--model.dtype=float16"], "--model.dtype: set it with --dtype=float16"),
     (["train", "--model.remat=bogus"], "--model.remat: set it with --remat=bogus"),
-    (["generate", "--checkpoint=/no/such", "--prompt=x", "--max_tokens=0"], "--max_tokens=0 must be a positive integer"),
-    (["generate", "--checkpoint=/no/such", "--prompt=x", "--temperature=-1"],
-     "--temperature must be a number >= 0 (0 is greedy), got -1.0"),
+    (
+        ["generate", "--checkpoint=/no/such", "--prompt=x", "--max_tokens=0"],
+        "--max_tokens=0 must be a positive integer",
+    ),
+    (
+        ["generate", "--checkpoint=/no/such", "--prompt=x", "--temperature=-1"],
+        "--temperature must be a number >= 0 (0 is greedy), got -1.0",
+    ),
     # a kernel the devices cannot run is refused before anything starts (no run folder, no compile)
-    (["train", "--model=test", "--dataset=synthetic", "--devices=1", "--attention=cudnn"],
-     "--attention=cudnn runs on GPU only and this job runs on CPU"),
+    (
+        ["train", "--model=test", "--dataset=synthetic", "--devices=1", "--attention=cudnn"],
+        "--attention=cudnn runs on GPU only and this job runs on CPU",
+    ),
 ]
 
 
@@ -113,9 +122,20 @@ def test_train_end_to_end_on_a_mixed_mesh(tmp_path):
         (corpus / f"{name}.txt").write_text(Path(module.__file__).read_text())
     out = tmp_path / "run"
     result = meshlm(
-        "train", "--devices=8", "--mesh_dim=2,2,2,1", "--model=test", "--model.n_layers=1", f"--dataset={corpus}",
-        "--steps=12", "--batch_size=8", "--seq_len=64", "--lr=1e-2", "--log_every=4", f"--output_dir={out}",
-        "--peak_tflops=1", env={"MESHLM_CACHE": str(tmp_path / "cache")},
+        "train",
+        "--devices=8",
+        "--mesh_dim=2,2,2,1",
+        "--model=test",
+        "--model.n_layers=1",
+        f"--dataset={corpus}",
+        "--steps=12",
+        "--batch_size=8",
+        "--seq_len=64",
+        "--lr=1e-2",
+        "--log_every=4",
+        f"--output_dir={out}",
+        "--peak_tflops=1",
+        env={"MESHLM_CACHE": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -133,9 +153,22 @@ def test_mp_mesh_dim_prints_the_equivalent_mesh_dim(tmp_path, capsys):
     """In this process (8 simulated devices already): a fresh one is test_train_end_to_end_on_a_mixed_mesh's."""
     from meshlm.cli import main
 
-    code = main(["train", "--devices=8", "--mp_mesh_dim=2,1", "--fsdp", "--model=test", "--model.n_layers=1",
-                 "--dataset=synthetic", "--steps=1", "--batch_size=8", "--seq_len=32", f"--output_dir={tmp_path}",
-                 "--peak_tflops=1"])
+    code = main(
+        [
+            "train",
+            "--devices=8",
+            "--mp_mesh_dim=2,1",
+            "--fsdp",
+            "--model=test",
+            "--model.n_layers=1",
+            "--dataset=synthetic",
+            "--steps=1",
+            "--batch_size=8",
+            "--seq_len=32",
+            f"--output_dir={tmp_path}",
+            "--peak_tflops=1",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
     assert "--mp_mesh_dim=2,1 --fsdp is --mesh_dim=1,4,2,1" in out
@@ -160,9 +193,20 @@ def test_train_with_a_preset_and_zero_stage_then_resume(tmp_path, capsys):
     """In this process, as test_mp_mesh_dim_prints_the_equivalent_mesh_dim."""
     from meshlm.cli import main
 
-    args = ["train", "--devices=8", "--mesh_dim=2,1,4,1", "--strategy=fsdp_tp", "--zero_stage=2", "--model=test",
-            "--dataset=synthetic", "--batch_size=8", "--seq_len=32", "--log_every=1", f"--output_dir={tmp_path}",
-            "--peak_tflops=1"]
+    args = [
+        "train",
+        "--devices=8",
+        "--mesh_dim=2,1,4,1",
+        "--strategy=fsdp_tp",
+        "--zero_stage=2",
+        "--model=test",
+        "--dataset=synthetic",
+        "--batch_size=8",
+        "--seq_len=32",
+        "--log_every=1",
+        f"--output_dir={tmp_path}",
+        "--peak_tflops=1",
+    ]
     code = main([*args, "--steps=2"])
     first = capsys.readouterr().out
     assert code == 0, first[-3000:]

@@ -24,19 +24,41 @@ from meshlm.train.loop import train
 from tests.support.cli import ROOT, free_port
 
 # A constant learning rate, so a run cut short at step k continues like one that was always longer.
-JOB = ["--model=test", "--dataset=synthetic", "--batch_size=8", "--seq_len=32", "--log_every=1", "--lr=1e-2",
-       "--warmup_steps=0", "--min_lr_ratio=1", "--dtype=float32", "--peak_tflops=1"]
+JOB = [
+    "--model=test",
+    "--dataset=synthetic",
+    "--batch_size=8",
+    "--seq_len=32",
+    "--log_every=1",
+    "--lr=1e-2",
+    "--warmup_steps=0",
+    "--min_lr_ratio=1",
+    "--dtype=float32",
+    "--peak_tflops=1",
+]
 
 
-def launch(n: int, flags: list[str], out: Path, devices_each: int = 4, port: int | None = None) -> list[subprocess.Popen]:
+def launch(
+    n: int, flags: list[str], out: Path, devices_each: int = 4, port: int | None = None
+) -> list[subprocess.Popen]:
     port = port or free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     procs = []
     for pid in range(n):
-        cmd = [sys.executable, "-m", "meshlm", "train", f"--devices={devices_each}", *JOB, *flags,
-               f"--output_dir={out}", f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}",
-               f"--process_id={pid}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            f"--devices={devices_each}",
+            *JOB,
+            *flags,
+            f"--output_dir={out}",
+            f"--coordinator_address=127.0.0.1:{port}",
+            f"--num_processes={n}",
+            f"--process_id={pid}",
+        ]
         log = open(out.parent / f"{out.name}.p{pid}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
     return procs
@@ -54,8 +76,19 @@ def losses(out) -> dict[int, float]:
 
 
 def single(out, **kw) -> dict[int, float]:
-    base = dict(model="test", dataset="synthetic", batch_size=8, seq_len=32, log_every=1, lr=1e-2, warmup_steps=0,
-                min_lr_ratio=1.0, dtype="float32", peak_tflops=1.0, output_dir=str(out))
+    base = dict(
+        model="test",
+        dataset="synthetic",
+        batch_size=8,
+        seq_len=32,
+        log_every=1,
+        lr=1e-2,
+        warmup_steps=0,
+        min_lr_ratio=1.0,
+        dtype="float32",
+        peak_tflops=1.0,
+        output_dir=str(out),
+    )
     train(TrainConfig(**{**base, **kw}))
     return losses(out)
 
@@ -71,14 +104,17 @@ def test_cluster_from_flags_then_environment():
     assert distributed.resolve(environ={"SLURM_JOB_ID": "7"}).auto_detect
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(coordinator_address="h:1", num_processes=2, process_id=2), "--process_id=2 is not in 0 .. 1"),
-    (dict(coordinator_address="h:1", num_processes=2, process_id=-1), "--process_id=-1 is not in 0 .. 1"),
-    (dict(coordinator_address="h", num_processes=2, process_id=0), "must be HOST:PORT"),
-    (dict(num_processes=2, process_id=0), "--coordinator_address is missing"),
-    (dict(coordinator_address="h:1", num_processes=2), "--process_id is missing"),
-    (dict(coordinator_address="h:1", process_id=0), "--num_processes is missing"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(coordinator_address="h:1", num_processes=2, process_id=2), "--process_id=2 is not in 0 .. 1"),
+        (dict(coordinator_address="h:1", num_processes=2, process_id=-1), "--process_id=-1 is not in 0 .. 1"),
+        (dict(coordinator_address="h", num_processes=2, process_id=0), "must be HOST:PORT"),
+        (dict(num_processes=2, process_id=0), "--coordinator_address is missing"),
+        (dict(coordinator_address="h:1", num_processes=2), "--process_id is missing"),
+        (dict(coordinator_address="h:1", process_id=0), "--num_processes is missing"),
+    ],
+)
 def test_bad_cluster_flags(kw, words):
     with pytest.raises(UsageError, match=words):
         distributed.resolve(environ={}, **kw)
@@ -87,9 +123,26 @@ def test_bad_cluster_flags(kw, words):
 def test_unreachable_coordinator_is_one_line_exit_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "meshlm", "train", "--devices=4", *JOB, f"--output_dir={tmp_path}",
-                        f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2", "--process_id=1",
-                        "--connect_timeout=2"], env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            "--devices=4",
+            *JOB,
+            f"--output_dir={tmp_path}",
+            f"--coordinator_address=127.0.0.1:{free_port()}",
+            "--num_processes=2",
+            "--process_id=1",
+            "--connect_timeout=2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot reach the coordinator at 127.0.0.1:" in lines[0], r.stderr
@@ -158,8 +211,9 @@ def test_a_usage_error_stops_every_process_with_its_line(capsys):
     assert exits == [2]
     assert store["meshlm/heartbeat/1"].startswith("stopped:process 0 stopped: --dcn_mesh_dim=4,1,1,1")
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: process 1: process 0 stopped: --dcn_mesh_dim=4,1,1,1: the axes multiply to 4 but there "
-                   "are 2 hosts"], err
+    assert err == [
+        "error: process 1: process 0 stopped: --dcn_mesh_dim=4,1,1,1: the axes multiply to 4 but there are 2 hosts"
+    ], err
 
     ticks = iter(range(100))
     distributed.leave_on_usage_error(0, "bad flag", exits.append, store, 2, grace=50, clock=lambda: next(ticks))

@@ -50,8 +50,15 @@ def test_training_examples_do_not_share_an_output_dir():
 TINY = PRESETS["tiny"]
 
 
-@pytest.mark.parametrize("page, cmd", [(p.name, c) for p in PAGES for c in commands(p)
-                                       if "--mesh_dim=" in c and ("--model=tiny" in c or "--checkpoint=outputs/run " in c + " ")])
+@pytest.mark.parametrize(
+    "page, cmd",
+    [
+        (p.name, c)
+        for p in PAGES
+        for c in commands(p)
+        if "--mesh_dim=" in c and ("--model=tiny" in c or "--checkpoint=outputs/run " in c + " ")
+    ],
+)
 def test_meshes_for_the_tiny_model_fit_it(page, cmd):
     mesh = re.search(r"--mesh_dim=(\S+)", cmd).group(1)
     if not re.fullmatch(r"-?\d+(,-?\d+){3}", mesh):
@@ -61,7 +68,9 @@ def test_meshes_for_the_tiny_model_fit_it(page, cmd):
     devices = re.search(r"--devices=(\d+)", cmd)
     processes = re.search(r"--num_processes=(\d+)", cmd)
     if devices and -1 not in (dp, fsdp, tp, sp):
-        assert dp * fsdp * tp * sp == int(devices.group(1)) * int(processes.group(1) if processes else 1), f"{page}: {cmd}"
+        assert dp * fsdp * tp * sp == int(devices.group(1)) * int(processes.group(1) if processes else 1), (
+            f"{page}: {cmd}"
+        )
 
 
 def test_plan_page_says_what_auto_computes_in_on_cpu(monkeypatch):

@@ -29,7 +29,9 @@ LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # a markdown link's target,
 
 
 def pages() -> list[Path]:
-    return [p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))) if p.exists()]
+    return [
+        p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))) if p.exists()
+    ]
 
 
 def texts() -> dict[str, str]:
@@ -106,14 +108,22 @@ def known_flags() -> frozenset[str]:
 
 
 def test_named_paths_exist():
-    missing = [f"{where}: {path}" for where, text in texts().items() for path in PATH.findall(text)
-               if not (ROOT / path).exists() and path not in NOT_FILES]
+    missing = [
+        f"{where}: {path}"
+        for where, text in texts().items()
+        for path in PATH.findall(text)
+        if not (ROOT / path).exists() and path not in NOT_FILES
+    ]
     assert not missing, "paths named that the tree does not hold:\n" + "\n".join(missing)
 
 
 def test_linked_pages_exist():
-    missing = [f"{page.relative_to(ROOT)}: {target}" for page in pages() for target in LINK.findall(page.read_text())
-               if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists()]
+    missing = [
+        f"{page.relative_to(ROOT)}: {target}"
+        for page in pages()
+        for target in LINK.findall(page.read_text())
+        if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists()
+    ]
     assert not missing, "links to files the tree does not hold:\n" + "\n".join(missing)
 
 
@@ -124,30 +134,55 @@ def test_named_non_files_are_made_by_their_code():
 
 
 def test_named_modules_exist():
-    missing = [f"{where}: {dotted} ({why})" for where, text in texts().items() for dotted in MODULE.findall(text)
-               if (why := missing_module(dotted))]
+    missing = [
+        f"{where}: {dotted} ({why})"
+        for where, text in texts().items()
+        for dotted in MODULE.findall(text)
+        if (why := missing_module(dotted))
+    ]
     assert not missing, "modules named that do not exist:\n" + "\n".join(missing)
 
 
 def test_named_flags_exist():
     known = known_flags()
     assert {"--mesh_dim", "--steps", "--port", "--tasks", "--to_hf"} <= known  # every command's parser was built
-    missing = [f"{where}: {flag}" for where, text in texts().items() for flag in FLAG.findall(text)
-               if flag not in known and flag not in OTHER_TOOLS and not flag.startswith("--xla_")]
+    missing = [
+        f"{where}: {flag}"
+        for where, text in texts().items()
+        for flag in FLAG.findall(text)
+        if flag not in known and flag not in OTHER_TOOLS and not flag.startswith("--xla_")
+    ]
     assert not missing, "flags named that no parser defines:\n" + "\n".join(missing)
 
 
 # Modules whose docstrings say what they hold in a screen; the reasoning is on their docs page.
-SHORT_DOCSTRINGS = ["meshlm/plan", "meshlm/explain", "meshlm/data", "meshlm/eval", "meshlm/hlo.py", "meshlm/mesh.py",
-                    "meshlm/distributed.py", "meshlm/ops/attention.py", "meshlm/ops/ring.py", "meshlm/ops/splash.py",
-                    "meshlm/ops/decode.py", "meshlm/ops/pipeline.py"]
+SHORT_DOCSTRINGS = [
+    "meshlm/plan",
+    "meshlm/explain",
+    "meshlm/data",
+    "meshlm/eval",
+    "meshlm/hlo.py",
+    "meshlm/mesh.py",
+    "meshlm/distributed.py",
+    "meshlm/ops/attention.py",
+    "meshlm/ops/ring.py",
+    "meshlm/ops/splash.py",
+    "meshlm/ops/decode.py",
+    "meshlm/ops/pipeline.py",
+]
 
 
 def test_module_docstrings_fit_a_screen():
-    paths = [p for name in SHORT_DOCSTRINGS for p in sorted((ROOT / name).rglob("*.py") if (ROOT / name).is_dir()
-                                                             else [ROOT / name])]
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in paths
-            if (n := len((ast.get_docstring(ast.parse(p.read_text()), clean=False) or "").splitlines())) > 15]
+    paths = [
+        p
+        for name in SHORT_DOCSTRINGS
+        for p in sorted((ROOT / name).rglob("*.py") if (ROOT / name).is_dir() else [ROOT / name])
+    ]
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in paths
+        if (n := len((ast.get_docstring(ast.parse(p.read_text()), clean=False) or "").splitlines())) > 15
+    ]
     assert not long, "module docstrings over 15 lines (move the essay to docs/):\n" + "\n".join(long)
 
 
@@ -156,4 +191,7 @@ def test_a_stale_name_is_caught():
     assert missing_module("meshlm.no_such_package.x") == "meshlm has no no_such_package"
     assert missing_module("meshlm.serve") is None and missing_module("meshlm.flops.PEAK_TABLE") is None
     assert "--no_such_flag" not in known_flags()
-    assert LINK.findall("[plan](docs/plan.md#flags) and [site](https://example.org)") == ["docs/plan.md", "https://example.org"]
+    assert LINK.findall("[plan](docs/plan.md#flags) and [site](https://example.org)") == [
+        "docs/plan.md",
+        "https://example.org",
+    ]

@@ -9,8 +9,10 @@ from tests.support.cli import ROOT
 
 def extras() -> dict[str, dict[str, Requirement]]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return {name: {Requirement(r).name: Requirement(r) for r in reqs}
-            for name, reqs in project["optional-dependencies"].items()}
+    return {
+        name: {Requirement(r).name: Requirement(r) for r in reqs}
+        for name, reqs in project["optional-dependencies"].items()
+    }
 
 
 def test_eval_extra_brings_the_tokenizer_lm_eval_uses_against_the_server():

@@ -16,8 +16,10 @@ def test_the_flag_page_is_written_from_the_configuration():
 
 def test_every_flag_is_documented_with_its_default():
     page = (ROOT / "docs" / "flags.md").read_text()
-    rows = {name: cell.strip().replace("\\|", "|") for name, cell in
-            re.findall(r"^\| `--(\w+)` \| ((?:[^|\\]|\\.)+) \|", page, re.M)}
+    rows = {
+        name: cell.strip().replace("\\|", "|")
+        for name, cell in re.findall(r"^\| `--(\w+)` \| ((?:[^|\\]|\\.)+) \|", page, re.M)
+    }
     flags = {f.name: f.default for f in flag_fields() if f.metadata.get("cli", True)}
     assert set(rows) == set(flags)
     for name, default in flags.items():

@@ -84,7 +84,9 @@ def test_the_walker_finds_a_cycle():
 
 def test_no_import_cycle_between_modules():
     found = cycles(import_graph())
-    assert not found, "import cycles (a module must import only from below it): " + "; ".join(" <-> ".join(c) for c in found)
+    assert not found, "import cycles (a module must import only from below it): " + "; ".join(
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_no_import_cycle_between_packages():
@@ -121,10 +123,15 @@ def sideways_or_upward(graph: dict[str, set[str]], floors: dict[str, int]) -> li
 
 
 def test_the_floor_check_finds_an_upward_import():
-    graph = {"meshlm.serve.engine.batching": {"meshlm.serve.api.errors"}, "meshlm.serve.api.routes": {"meshlm.serve.engine.batching"},
-             "meshlm.serve.loading": {"meshlm.serve.engine.shapes"}}
-    assert sideways_or_upward(graph, SERVE_FLOORS) == ["meshlm.serve.engine.batching -> meshlm.serve.api.errors",
-                                                       "meshlm.serve.loading -> meshlm.serve.engine.shapes"]
+    graph = {
+        "meshlm.serve.engine.batching": {"meshlm.serve.api.errors"},
+        "meshlm.serve.api.routes": {"meshlm.serve.engine.batching"},
+        "meshlm.serve.loading": {"meshlm.serve.engine.shapes"},
+    }
+    assert sideways_or_upward(graph, SERVE_FLOORS) == [
+        "meshlm.serve.engine.batching -> meshlm.serve.api.errors",
+        "meshlm.serve.loading -> meshlm.serve.engine.shapes",
+    ]
 
 
 def test_serve_rooms_import_only_from_below():
@@ -133,9 +140,13 @@ def test_serve_rooms_import_only_from_below():
 
 
 def test_only_the_cli_parses_flags():
-    users = sorted(name for name, path in ((_module_name(p), p) for p in ROOT.rglob("*.py"))
-                   if "argparse" in {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import)
-                                     for a in n.names} and not name.startswith("meshlm.cli"))
+    users = sorted(
+        name
+        for name, path in ((_module_name(p), p) for p in ROOT.rglob("*.py"))
+        if "argparse"
+        in {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names}
+        and not name.startswith("meshlm.cli")
+    )
     assert users == []
 
 
@@ -158,5 +169,6 @@ def test_benchmarks_import_what_exists():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("meshlm"):
                 module = importlib.import_module(node.module)
                 for alias in node.names:
-                    assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), \
+                    assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
                         f"{script.name}: from {node.module} import {alias.name}"
+                    )

@@ -44,12 +44,18 @@ def commands(model_dir, train_flags: list[str], serving_flags: list[str]) -> dic
 BAD = {
     "dtype": (["--dtype=float64"], ["--dtype=float64"], "--dtype=float64: choose auto, float32, bfloat16 or float16"),
     "malformed mesh": (["--mesh_dim=1,a,8,1"], ["--mesh_dim=1,a,8,1"], "'a' is not an integer"),
-    "tp over the heads": (["--mesh_dim=1,1,8,1"], ["--mesh_dim=1,1,8,1"],
-                          "--mesh_dim=1,1,8,1: n_heads = 4 is not divisible by tp = 8; meshes that work"),
+    "tp over the heads": (
+        ["--mesh_dim=1,1,8,1"],
+        ["--mesh_dim=1,1,8,1"],
+        "--mesh_dim=1,1,8,1: n_heads = 4 is not divisible by tp = 8; meshes that work",
+    ),
     # serving says it in its own flag's words (train: the batch; serve: the decode slots)
-    "batch over the data axes": (["--mesh_dim=8,1,1,1", "--batch_size=4"], ["--mesh_dim=8,1,1,1", "--max_batch=4"],
-                                 "--mesh_dim=8,1,1,1: global batch size 4 is smaller than dp×fsdp = 8",
-                                 "--max_batch=4 must be a positive multiple of dp×fsdp = 8 (try --max_batch=8)"),
+    "batch over the data axes": (
+        ["--mesh_dim=8,1,1,1", "--batch_size=4"],
+        ["--mesh_dim=8,1,1,1", "--max_batch=4"],
+        "--mesh_dim=8,1,1,1: global batch size 4 is smaller than dp×fsdp = 8",
+        "--max_batch=4 must be a positive multiple of dp×fsdp = 8 (try --max_batch=8)",
+    ),
 }
 SERVING = ("generate", "serve")
 
@@ -116,9 +122,11 @@ def test_serving_mesh_misfit_is_said_in_serving_terms():
     assert "n_heads = 4 is not divisible by tp = 8" in str(err.value) and "--mesh_dim=1,4,2,1" in str(err.value)
     with pytest.raises(UsageError, match=r"^--mesh_dim=1,1,-1,1 \(that is 1,1,8,1\): n_heads = 4 is not divisible"):
         resolve_serving(PRESETS["tiny"], mesh_dim="1,1,-1,1", build=False)  # the default, tp over every device
-    for bad, words in ((0, r"--max_batch=0 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)"),
-                       (-4, "--max_batch=-4 must be a positive multiple"),
-                       (3, r"--max_batch=3 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)")):
+    for bad, words in (
+        (0, r"--max_batch=0 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)"),
+        (-4, "--max_batch=-4 must be a positive multiple"),
+        (3, r"--max_batch=3 must be a positive multiple of dp×fsdp = 4 \(try --max_batch=4\)"),
+    ):
         with pytest.raises(UsageError, match=words):
             resolve_serving(PRESETS["tiny"], mesh_dim="2,2,2,1", max_batch=bad, build=False)
 
@@ -130,13 +138,27 @@ def test_resolve_chooses_the_strategy_before_the_remat(monkeypatch):
 
     monkeypatch.setattr(joblib, "auto_remat", lambda *a, **k: pytest.fail("remat chosen before the strategy"))
     with pytest.raises(UsageError, match="--strategy=dp splits the batch over tp = 8 devices"):
-        joblib.resolve(TrainConfig(model="test", strategy="dp", mesh_dim="1,1,8,1", batch_size=4, seq_len=32),
-                       build=False, output=False)
+        joblib.resolve(
+            TrainConfig(model="test", strategy="dp", mesh_dim="1,1,8,1", batch_size=4, seq_len=32),
+            build=False,
+            output=False,
+        )
 
 
 def test_auto_remat_named_is_refused_where_the_planner_does_not_model_the_strategy(capsys):
-    code = main(["train", "--devices=8", "--model=test", "--dataset=synthetic", "--steps=1", "--batch_size=8",
-                 "--seq_len=32", "--strategy=fsdp", "--remat=auto"])
+    code = main(
+        [
+            "train",
+            "--devices=8",
+            "--model=test",
+            "--dataset=synthetic",
+            "--steps=1",
+            "--batch_size=8",
+            "--seq_len=32",
+            "--strategy=fsdp",
+            "--remat=auto",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "--remat=auto with --strategy=fsdp: the memory model that chooses it plans only --strategy=default" in err[0]
@@ -145,8 +167,10 @@ def test_auto_remat_named_is_refused_where_the_planner_does_not_model_the_strate
 def test_auto_remat_by_default_or_on_the_planned_strategy_is_chosen():
     from meshlm.job import resolve
 
-    for cfg in (TrainConfig(model="test", strategy="fsdp", batch_size=8, seq_len=32),  # left at its default
-                TrainConfig(model="test", remat="auto", batch_size=8, seq_len=32)):
+    for cfg in (
+        TrainConfig(model="test", strategy="fsdp", batch_size=8, seq_len=32),  # left at its default
+        TrainConfig(model="test", remat="auto", batch_size=8, seq_len=32),
+    ):
         assert resolve(cfg, build=False, output=False).model.remat != "auto"
     with pytest.raises(UsageError, match="--remat=auto with --zero_stage=1"):
         resolve(TrainConfig(model="test", remat="auto", zero_stage=1, batch_size=8, seq_len=32), build=False)

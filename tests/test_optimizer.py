@@ -14,16 +14,19 @@ from meshlm.optimizer import OptimizerConfig, clip_by_global_norm, decay_mask, l
 
 
 def _optax_reference(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        mask=decay_mask)
+    adamw = optax.adamw(
+        lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(), adamw)
 
 
 @pytest.mark.parametrize("clip_norm", [0.0, 0.5, 1e3])  # off, clipping, not clipping
 def test_updates_and_state_are_optax_clip_and_adamw(clip_norm):
     rng = np.random.default_rng(0)
-    params = {"w": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)},
-              "norm": {"scale": jnp.ones(3, jnp.float32)}}
+    params = {
+        "w": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)},
+        "norm": {"scale": jnp.ones(3, jnp.float32)},
+    }
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
     cfg = OptimizerConfig(clip_norm=clip_norm, warmup_steps=1)
     ours, ref = make_optimizer(cfg), _optax_reference(cfg)

@@ -20,14 +20,23 @@ from tests.support.cli import ROOT
 def python(code: str, **env) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter with this environment, less XLA_FLAGS, plus `env`."""
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**base, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env},
+    )
 
 
 # ------------------------------------------------------------------------------------ backend, presets
 
-@pytest.mark.parametrize("platforms,backend", [("cuda", "gpu"), ("gpu", "gpu"), ("rocm", "gpu"), ("tpu,cpu", "tpu"),
-                                               ("cpu", "cpu"), ("", "cpu")])
+
+@pytest.mark.parametrize(
+    "platforms,backend",
+    [("cuda", "gpu"), ("gpu", "gpu"), ("rocm", "gpu"), ("tpu,cpu", "tpu"), ("cpu", "cpu"), ("", "cpu")],
+)
 def test_backend_is_known_before_jax_starts(platforms, backend):
     # "" here: JAX already runs on CPU in this process; a fresh one probes for chips and plugins (none here)
     assert P.detect_backend({"JAX_PLATFORMS": platforms}) == backend
@@ -37,14 +46,17 @@ def test_libtpu_without_tpu_chips_starts_quietly_on_the_cpu():
     # The test extra installs libtpu (to compile for TPU topologies); this machine has no TPU chips.
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: nothing would start it")
-    got = python("""
+    got = python(
+        """
         import os, sys
         from meshlm import platform
         set_to = platform.skip_absent_tpu()
         import jax
         print(set_to, jax.devices()[0].platform, os.environ["JAX_PLATFORMS"])
         assert platform.skip_absent_tpu() is None  # JAX_PLATFORMS is set now: left alone
-    """, JAX_PLATFORMS="")
+    """,
+        JAX_PLATFORMS="",
+    )
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == ["cpu", "cpu", "cpu"]
     assert "TPU_ACCELERATOR_TYPE" not in got.stderr and "TPU_WORKER_HOSTNAMES" not in got.stderr, got.stderr
@@ -163,17 +175,31 @@ def test_compilation_cache_folder_and_switch(tmp_path):
 
 # ------------------------------------------------------------------------------------ memory budget
 
-@pytest.mark.parametrize("env,fraction", [({}, 0.75), ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}, 0.9),
-                                          ({"XLA_CLIENT_MEM_FRACTION": "0.5", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 0.5),
-                                          ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, 1.0)])
+
+@pytest.mark.parametrize(
+    "env,fraction",
+    [
+        ({}, 0.75),
+        ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}, 0.9),
+        ({"XLA_CLIENT_MEM_FRACTION": "0.5", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 0.5),
+        ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, 1.0),
+    ],
+)
 def test_gpu_memory_fraction_is_what_jax_takes(env, fraction):
     assert P.gpu_memory_fraction(env)[0] == fraction
 
 
-@pytest.mark.parametrize("env,words", [({"XLA_PYTHON_CLIENT_MEM_FRACTION": "1.5"}, "give a fraction of device memory in (0, 1]"),
-                                       ({"XLA_CLIENT_MEM_FRACTION": "most"}, "XLA_CLIENT_MEM_FRACTION=most"),
-                                       ({"XLA_CLIENT_MEM_FRACTION": ".5", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"},
-                                        "unset XLA_PYTHON_CLIENT_MEM_FRACTION")])
+@pytest.mark.parametrize(
+    "env,words",
+    [
+        ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "1.5"}, "give a fraction of device memory in (0, 1]"),
+        ({"XLA_CLIENT_MEM_FRACTION": "most"}, "XLA_CLIENT_MEM_FRACTION=most"),
+        (
+            {"XLA_CLIENT_MEM_FRACTION": ".5", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"},
+            "unset XLA_PYTHON_CLIENT_MEM_FRACTION",
+        ),
+    ],
+)
 def test_bad_memory_fraction_is_one_line(env, words):
     with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         P.gpu_memory_fraction(env)
@@ -194,13 +220,19 @@ def test_planner_budgets_the_memory_jax_takes(monkeypatch):
 
 # ------------------------------------------------------------------------------------ precision
 
-@pytest.mark.parametrize("flags,words", [
-    (["--param_dtype=bfloat16"], "--dtype=bfloat16 --param_dtype=float32"),
-    (["--dtype=float16"], "trains without loss scaling"),
-])
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--param_dtype=bfloat16"], "--dtype=bfloat16 --param_dtype=float32"),
+        (["--dtype=float16"], "trains without loss scaling"),
+    ],
+)
 @pytest.mark.parametrize("command", ["train", "explain", "plan"])
 def test_training_formats_that_go_wrong_are_refused(capsys, command, flags, words):
-    extra = ["--steps=1", "--dataset=synthetic"] if command == "train" else ["--hardware=h100"] if command == "plan" else []
+    extra = (
+        ["--steps=1", "--dataset=synthetic"] if command == "train" else ["--hardware=h100"] if command == "plan" else []
+    )
     assert main([command, "--model=test", *extra, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and words in err, err
@@ -237,7 +269,9 @@ def test_cpu_programs_use_wide_vectors_where_the_cpu_has_avx512():
     wide = {"xla_cpu_prefer_vector_width": 512}
     assert P.compiler_options("cpu", cpuinfo=AVX512, environ={}) == wide
     assert P.compiler_options("cpu", pipelined=True, cpuinfo=AVX512, environ={}) == {
-        **wide, "xla_cpu_enable_concurrency_optimized_scheduler": False}
+        **wide,
+        "xla_cpu_enable_concurrency_optimized_scheduler": False,
+    }
     # The user's own width, or the presets turned off, win.
     assert P.compiler_options("cpu", cpuinfo=AVX512, environ={"XLA_FLAGS": "--xla_cpu_prefer_vector_width=256"}) is None
     assert P.compiler_options("cpu", cpuinfo=AVX512, environ={"MESHLM_XLA_PRESET": "0"}) is None
@@ -253,10 +287,13 @@ def test_cpu_program_options_are_ones_this_xla_takes():
     assert float(f(jnp.zeros(()))) == 2.0
 
 
-@pytest.mark.parametrize("flags, fast", [
-    ("fpu sse2 avx512f avx512_bf16 amx_tile", True),  # x86 with AVX512-BF16 (and AMX)
-    ("fpu sse2 avx2 fma", False),  # x86 without: bf16 would be emulated
-])
+@pytest.mark.parametrize(
+    "flags, fast",
+    [
+        ("fpu sse2 avx512f avx512_bf16 amx_tile", True),  # x86 with AVX512-BF16 (and AMX)
+        ("fpu sse2 avx2 fma", False),  # x86 without: bf16 would be emulated
+    ],
+)
 def test_auto_dtype_is_bf16_where_cpu_matmuls_are_fast(monkeypatch, flags, fast):
     """`auto`: bfloat16 on accelerators; on CPU for training only where the CPU has bf16 matmul
     instructions (Arm lists them under Features); serving on CPU keeps float32 weights."""
@@ -308,8 +345,9 @@ def test_kept_host_memory_is_not_faulted_in_again():
     env.pop("MESHLM_HOST_ALLOCATOR", None)
     runs = {}
     for mode in ("default", "keep"):
-        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_FRESH_BLOCK, mode], env=env, capture_output=True,
-                             text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULTS_OF_A_FRESH_BLOCK, mode], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
         runs[mode] = (out[0] == "True", int(out[1]))
     assert runs["keep"][0] is True
     assert runs["default"][1] > 10_000 and runs["keep"][1] < 100, runs

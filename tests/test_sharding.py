@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshlm import axes, hlo, sharding
 from meshlm.mesh import build_mesh, parse_mesh_dim
@@ -50,8 +51,11 @@ def test_lookup_equals_take_and_moves_rows_not_the_table(mesh_dim):
     # The table is V·E·4 = 256 KiB; the rows at most B·T·E·4 = 32 KiB, the ids 512 B. Only dp, which does not
     # split the table, may sum (its shard of) the table's gradient.
     dp = parse_mesh_dim(mesh_dim, 8).dp
-    big = [c for c in hlo.parse_collectives(text) if c.payload_bytes >= V * E
-           and not (c.kind == "all-reduce" and c.group_size == dp)]
+    big = [
+        c
+        for c in hlo.parse_collectives(text)
+        if c.payload_bytes >= V * E and not (c.kind == "all-reduce" and c.group_size == dp)
+    ]
     assert not big, f"{mesh_dim}: table-sized collectives {big}"
     assert "all-to-all" in text
 
@@ -89,6 +93,7 @@ def test_splits_over_names_a_split_on_any_of_the_axes():
 
 # ------------------------------------------------------------------------------------ spec helpers
 
+
 def test_filter_axes_gives_one_spec_entry():
     assert sharding.filter_axes(("dp", "fsdp", "sp"), drop={"fsdp"}) == ("dp", "sp")
     assert sharding.filter_axes(("dp", "fsdp"), only=("fsdp", "tp")) == "fsdp"
@@ -105,6 +110,7 @@ def test_micro_batches_keep_each_data_shard_s_rows():
     micro = sharding.micro_batches(batch, 2)["inputs"]
     np.testing.assert_array_equal(micro[1], batch["inputs"][1::2])
     mesh = build_mesh(parse_mesh_dim("1,8,1,1", 8), jax.devices()[:8])
-    stacked = jax.jit(lambda b: sharding.micro_batches(b, 2, mesh, DEFAULT))(
-        {"inputs": jnp.zeros((16, 4), jnp.int32)})["inputs"]
+    stacked = jax.jit(lambda b: sharding.micro_batches(b, 2, mesh, DEFAULT))({"inputs": jnp.zeros((16, 4), jnp.int32)})[
+        "inputs"
+    ]
     assert stacked.shape == (2, 8, 4) and tuple(stacked.sharding.spec)[:2] == (None, "fsdp")

@@ -29,7 +29,10 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str | None = Non
 
 
 def convert_to_hf(
-    checkpoint: str | Path, hf_dir: str | Path, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    checkpoint: str | Path,
+    hf_dir: str | Path,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     step: int | None = None,
 ) -> Path:
     """`meshlm convert --to_hf=DIR --checkpoint=P`: P is a params folder, a training run or checkpoint folder."""

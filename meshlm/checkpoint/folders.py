@@ -17,7 +17,11 @@ from meshlm.errors import UsageError
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "added_tokens.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
 )
 GENERATION_CONFIG = "generation_config.json"
 
@@ -50,8 +54,9 @@ def check_writable_folder(path: str | Path, flag: str) -> None:
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise UsageError(f"{flag}={path} lies under {parent}, which is a file; pass a folder path that is not "
-                         "inside a file")
+        raise UsageError(
+            f"{flag}={path} lies under {parent}, which is a file; pass a folder path that is not inside a file"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag}={path}: {parent} is not writable; pass a folder you can write to")
 
@@ -87,6 +92,13 @@ class Staging:
 
 
 __all__ = [
-    "CONFIG_FILE", "TOKENIZER_DIR", "TOKENIZER_FILES", "GENERATION_CONFIG", "carried_files", "copy_carried",
-    "check_writable_folder", "check_out", "Staging",
+    "CONFIG_FILE",
+    "TOKENIZER_DIR",
+    "TOKENIZER_FILES",
+    "GENERATION_CONFIG",
+    "carried_files",
+    "copy_carried",
+    "check_writable_folder",
+    "check_out",
+    "Staging",
 ]

@@ -45,7 +45,9 @@ class HFSource(Source):
         d = Path(directory)
         self.where = str(d)
         if not (d / CONFIG_FILE).is_file():
-            raise UsageError(f"{d} has no config.json; point at a Hugging Face model folder (config.json, *.safetensors)")
+            raise UsageError(
+                f"{d} has no config.json; point at a Hugging Face model folder (config.json, *.safetensors)"
+            )
         self.cfg = read_hf_config(d / CONFIG_FILE)
         files = read_index(d)
         if files is None:
@@ -103,7 +105,10 @@ class HFSource(Source):
 
 
 def write_hf(
-    source: Source, hf_dir: str | Path, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    source: Source,
+    hf_dir: str | Path,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     flag: str = "--to_hf",
 ) -> Path:
     """Write a Hugging Face LlamaForCausalLM folder that `transformers.AutoModelForCausalLM.from_pretrained` loads."""

@@ -41,8 +41,12 @@ def lora_meta(path: Path, step: int | None = None) -> dict | None:
 
 def lora_spec(lora: dict) -> LoraSpec:
     """The run's LoraSpec from its checkpoint's "lora" entry."""
-    return LoraSpec(int(lora["rank"]), float(lora["alpha"]), lora.get("targets") or DEFAULT_TARGETS,
-                    lora.get("base_dtype") or "float32")
+    return LoraSpec(
+        int(lora["rank"]),
+        float(lora["alpha"]),
+        lora.get("targets") or DEFAULT_TARGETS,
+        lora.get("base_dtype") or "float32",
+    )
 
 
 def read_adapters(checkpoint: str | Path, step: int | None = None) -> tuple[ModelConfig, dict, dict]:
@@ -55,16 +59,19 @@ def read_adapters(checkpoint: str | Path, step: int | None = None) -> tuple[Mode
     where = directory / str(step)
     meta = read_meta(directory, step)
     if not meta.get("lora"):
-        raise UsageError(f"checkpoint {where} holds no LoRA adapters (it trained every weight); export it without "
-                         "--lora_format and --merge")
+        raise UsageError(
+            f"checkpoint {where} holds no LoRA adapters (it trained every weight); export it without "
+            "--lora_format and --merge"
+        )
     state_dir = where / "state"
     with reads_that_may_fail():
         tree = ocp.PyTreeCheckpointHandler().metadata(state_dir)
         stored = getattr(tree, "tree", tree)["params"]["lora"]
         item = _map(stored, lambda _: 0)
         args = _map(stored, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
-        restore = ocp.args.PyTreeRestore(item={"params": {"lora": item}}, restore_args={"params": {"lora": args}},
-                                         partial_restore=True)
+        restore = ocp.args.PyTreeRestore(
+            item={"params": {"lora": item}}, restore_args={"params": {"lora": args}}, partial_restore=True
+        )
         adapters = ocp.PyTreeCheckpointer().restore(state_dir, args=restore)["params"]["lora"]
     return config_from_meta(meta["model"]), meta["lora"], _one_stack(adapters)
 
@@ -81,7 +88,11 @@ def _one_stack(adapters: dict) -> dict:
     keys = sorted(layers, key=lambda k: int(k.split("-")[0]))
 
     def join(*parts):
-        return np.concatenate(parts) if not isinstance(parts[0], dict) else {k: join(*(p[k] for p in parts)) for k in parts[0]}
+        return (
+            np.concatenate(parts)
+            if not isinstance(parts[0], dict)
+            else {k: join(*(p[k] for p in parts)) for k in parts[0]}
+        )
 
     return {**adapters, "layers": join(*(layers[k] for k in keys))}
 
@@ -95,8 +106,11 @@ def adapted_leaves(cfg: ModelConfig, adapters: dict) -> list[tuple[Leaf, np.ndar
         except (KeyError, TypeError):
             continue
         out_axes, in_axes = leaf.groups
-        if len(leaf.groups) != 2 or list(in_axes) != list(range(len(in_axes))) or \
-                list(out_axes) != list(range(len(in_axes), len(leaf.shape))):
+        if (
+            len(leaf.groups) != 2
+            or list(in_axes) != list(range(len(in_axes)))
+            or list(out_axes) != list(range(len(in_axes), len(leaf.shape)))
+        ):
             raise UsageError(f"{leaf.name} has adapters but is no projection that PEFT can adapt")
         out.append((leaf, np.asarray(node["a"]), np.asarray(node["b"])))
     return out
@@ -110,8 +124,9 @@ def open_base(cfg: ModelConfig, lora: dict, base: str | Path | None = None) -> S
     path = base if base is not None else lora.get("base")
     if path is not None:
         if not Path(path).expanduser().exists():
-            raise UsageError(f"the base model {path} is not there; pass --base=DIR, the folder the adapters were "
-                             "trained on")
+            raise UsageError(
+                f"the base model {path} is not there; pass --base=DIR, the folder the adapters were trained on"
+            )
         source = open_source(path)
         check_compatible(source.cfg, cfg, source.where)
         return source
@@ -167,8 +182,11 @@ class LoraCheckpoint(Source):
 
         model, mesh, strategy = placement.cfg, placement.mesh, placement.strategy
         f32 = place(model.replace(param_dtype="float32"), mesh, strategy)
-        held = f32 if self.spec.base_dtype == "float32" else place(model.replace(param_dtype=self.spec.base_dtype),
-                                                                   mesh, strategy)
+        held = (
+            f32
+            if self.spec.base_dtype == "float32"
+            else place(model.replace(param_dtype=self.spec.base_dtype), mesh, strategy)
+        )
         lora = place_lora(f32, self.spec)
         params = self.base.load(held)  # the base as the run trained on it: in its base dtype
         adapters = _put_adapters(self.adapters, lora, self.path)
@@ -192,16 +210,26 @@ def _put_adapters(adapters: dict, lora: Any, where: str) -> Any:
     have, shapes, shardings = flatten(adapters), flatten(lora.shapes), flatten(lora.shardings)
     if set(have) != set(shapes):
         missing = sorted(set(have) ^ set(shapes))[:3]
-        raise UsageError(f"the adapters in {where} do not match the targets their run recorded ({', '.join(missing)}); "
-                         "serve a `meshlm export --merge` folder instead")
+        raise UsageError(
+            f"the adapters in {where} do not match the targets their run recorded ({', '.join(missing)}); "
+            "serve a `meshlm export --merge` folder instead"
+        )
     out = {}
     for path, target in shapes.items():
         value = np.asarray(have[path])
         if tuple(value.shape) != tuple(target.shape):
             raise UsageError(f"{where}: adapter {path} has shape {value.shape}, expected {tuple(target.shape)}")
-        value = value.astype(target.dtype)
-        out[path] = jax.make_array_from_callback(target.shape, shardings[path], lambda index, v=value: v[index])
+        out[path] = jax.make_array_from_callback(target.shape, shardings[path], _indexer(value.astype(target.dtype)))
     return unflatten(out)
+
+
+def _indexer(value: np.ndarray):
+    """The callback that gives a device its block of `value`."""
+
+    def block(index):
+        return value[index]
+
+    return block
 
 
 __all__ = ["LoraCheckpoint", "lora_meta", "lora_spec", "read_adapters", "adapted_leaves", "open_base"]

@@ -40,17 +40,36 @@ def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
 
 
 def peft_config(cfg: ModelConfig, lora: dict, adapters: dict, base: str | None) -> dict:
-    modules = sorted({leaf.hf.removesuffix(".weight").rsplit(".", 1)[-1] for leaf, _, _ in adapted_leaves(cfg, adapters)})
+    modules = sorted(
+        {leaf.hf.removesuffix(".weight").rsplit(".", 1)[-1] for leaf, _, _ in adapted_leaves(cfg, adapters)}
+    )
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]), "lora_dropout": 0.0, "target_modules": modules,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": int(lora["rank"]),
+        "lora_alpha": float(lora["alpha"]),
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
     }
 
 
-def write_peft(cfg: ModelConfig, lora: dict, adapters: dict, out: str | Path, base: str | None = None,
-               dtype: str | None = None, flag: str = "--out") -> Path:
+def write_peft(
+    cfg: ModelConfig,
+    lora: dict,
+    adapters: dict,
+    out: str | Path,
+    base: str | None = None,
+    dtype: str | None = None,
+    flag: str = "--out",
+) -> Path:
     """A PEFT adapter folder (`PeftModel.from_pretrained(base_model, out)` loads it). `lora`: {"rank",
     "alpha"}; `adapters`: one-stack numpy trees; `base`: the base model's folder or name, recorded."""
     out = Path(out).expanduser()
@@ -58,7 +77,9 @@ def write_peft(cfg: ModelConfig, lora: dict, adapters: dict, out: str | Path, ba
     tensors = peft_tensors(cfg, adapters)
     dt = np_dtype(dtype) if dtype else np.dtype(np.float32)
     with Staging(out) as tmp:
-        writer = SafetensorsWriter(tmp / ADAPTER_WEIGHTS, [(k, dt, v.shape) for k, v in tensors.items()], {"format": "pt"})
+        writer = SafetensorsWriter(
+            tmp / ADAPTER_WEIGHTS, [(k, dt, v.shape) for k, v in tensors.items()], {"format": "pt"}
+        )
         try:
             for name, value in tensors.items():
                 writer.write(name, value.astype(dt))
@@ -68,8 +89,9 @@ def write_peft(cfg: ModelConfig, lora: dict, adapters: dict, out: str | Path, ba
     return out
 
 
-def export_peft(checkpoint: str | Path, out: str | Path, step: int | None = None, base: str | None = None,
-                dtype: str | None = None) -> Path:
+def export_peft(
+    checkpoint: str | Path, out: str | Path, step: int | None = None, base: str | None = None, dtype: str | None = None
+) -> Path:
     """`meshlm export --lora_format=peft`: the checkpoint's adapters as a PEFT adapter folder, whose
     `base_model_name_or_path` is a Hugging Face folder (`--base`, or the run's `--init_from` folder, or the folder
     that params folder was converted from) so that `AutoPeftModelForCausalLM.from_pretrained(out)` loads it."""
@@ -79,8 +101,9 @@ def export_peft(checkpoint: str | Path, out: str | Path, step: int | None = None
     return write_peft(cfg, lora, adapters, out, name, dtype)
 
 
-def export_merged(checkpoint: str | Path, out: str | Path, step: int | None = None, base: str | None = None,
-                  dtype: str | None = None) -> Path:
+def export_merged(
+    checkpoint: str | Path, out: str | Path, step: int | None = None, base: str | None = None, dtype: str | None = None
+) -> Path:
     """`meshlm export --merge`: the base with the adapters merged in, as a Hugging Face folder."""
     with LoraCheckpoint(checkpoint, step, base) as source:
         return write_hf(source, out, dtype, flag="--out")

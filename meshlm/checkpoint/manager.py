@@ -32,8 +32,15 @@ STATE, DATA, META = "state", "data", "meta"
 class Checkpointer:
     """Save every `save_every` steps (and on demand), keep the newest `keep`, restore the newest complete one."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, save_every: int | None = None, async_save: bool = True,
-                 read_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 3,
+        save_every: int | None = None,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         """`read_only`: a reader's view of a folder that a run may be writing into: its in-progress saves
         (temporary folders) are left alone and nothing is created."""
         self.directory = Path(directory).absolute()
@@ -41,12 +48,18 @@ class Checkpointer:
         self._async = async_save
         self._saving: int | None = None  # the step whose save was started last
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
             cleanup_tmp_directories=not read_only,
             # process 0, once every process has written its files, before the step's folder is renamed
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums) if async_save else None,
         )
-        handlers = {STATE: ocp.StandardCheckpointHandler(), DATA: ocp.JsonCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        handlers = {
+            STATE: ocp.StandardCheckpointHandler(),
+            DATA: ocp.JsonCheckpointHandler(),
+            META: ocp.JsonCheckpointHandler(),
+        }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # ------------------------------------------------------------------------------------------- save
@@ -63,7 +76,11 @@ class Checkpointer:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    **{STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state), META: ocp.args.JsonSave(meta)}
+                    **{
+                        STATE: ocp.args.StandardSave(state),
+                        DATA: ocp.args.JsonSave(data_state),
+                        META: ocp.args.JsonSave(meta),
+                    }
                 ),
                 force=True,
             )
@@ -71,7 +88,9 @@ class Checkpointer:
                 checksums.record(self.directory / str(step))
 
     def _record_checksums(self) -> None:
-        step_dir = next(self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"), self.directory / str(self._saving))
+        step_dir = next(
+            self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"), self.directory / str(self._saving)
+        )
         checksums.record(step_dir)
 
     def wait(self) -> None:
@@ -94,8 +113,10 @@ class Checkpointer:
             step = self._saving
             complete = [s for s in self._complete_steps() if s != step]
             last = f"the last complete checkpoint is {max(complete)}" if complete else "no checkpoint is complete yet"
-            raise UsageError(f"no space left on device writing {self.directory / str(step)}; {last}; free some space "
-                             "and run again to resume from it") from None
+            raise UsageError(
+                f"no space left on device writing {self.directory / str(step)}; {last}; free some space "
+                "and run again to resume from it"
+            ) from None
 
     def _complete_steps(self) -> list[int]:
         """Steps whose folder has its final name (a save in progress has a temporary one)."""
@@ -114,8 +135,9 @@ class Checkpointer:
     def meta(self, step: int) -> dict:
         return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
-    def restore(self, abstract_state: Any, step: int | None = None, expect_meta: dict | None = None,
-                earlier_layouts: tuple = ()):
+    def restore(
+        self, abstract_state: Any, step: int | None = None, expect_meta: dict | None = None, earlier_layouts: tuple = ()
+    ):
         """(state, data_state, meta) of `step` (default: the newest complete one), laid out as `abstract_state`.
 
         The step's files must match the checksums recorded when it was saved. `earlier_layouts`: pairs
@@ -148,8 +170,13 @@ class Checkpointer:
             with reads_that_may_fail():
                 restored = self._manager.restore(
                     step,
-                    args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target),
-                                               DATA: ocp.args.JsonRestore(), META: ocp.args.JsonRestore()}),
+                    args=ocp.args.Composite(
+                        **{
+                            STATE: ocp.args.StandardRestore(target),
+                            DATA: ocp.args.JsonRestore(),
+                            META: ocp.args.JsonRestore(),
+                        }
+                    ),
                 )
         except Exception as e:  # noqa: BLE001  (truncated or corrupt files surface as many error types)
             raise self._unreadable(step, error_line(e)) from None
@@ -170,8 +197,9 @@ class Checkpointer:
         if good is not None:
             fix = f"delete that folder to resume from step {good} ({self.directory / str(good)})"
         else:
-            fix = (("no earlier checkpoint there is intact" if earlier else "it is the only checkpoint there")
-                   + ": delete that folder to start the run over, or use another --output_dir")
+            fix = (
+                "no earlier checkpoint there is intact" if earlier else "it is the only checkpoint there"
+            ) + ": delete that folder to start the run over, or use another --output_dir"
         return UsageError(f"checkpoint {path} is incomplete or corrupt ({reason}); {fix}")
 
 
@@ -201,8 +229,10 @@ def _closed_loop_callback(unraisable) -> bool:
 
 
 # TensorStore's errors carry an absl status code first: "OUT_OF_RANGE: Error reading ...".
-_STORE_ERROR = re.compile(r"^(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|INTERNAL|UNKNOWN|"
-                          r"ABORTED|CANCELLED|UNAVAILABLE|RESOURCE_EXHAUSTED|PERMISSION_DENIED): ")
+_STORE_ERROR = re.compile(
+    r"^(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT|INTERNAL|UNKNOWN|"
+    r"ABORTED|CANCELLED|UNAVAILABLE|RESOURCE_EXHAUSTED|PERMISSION_DENIED): "
+)
 
 
 class _UnretrievedReadErrors(logging.Filter):
@@ -300,10 +330,7 @@ def _keystr(path) -> str:
 
 def check_shapes(path: Path, stored: dict[str, tuple], abstract_state: Any) -> None:
     """Name the first array whose stored shape differs from what this run expects."""
-    wanted = {
-        _keystr(p): tuple(leaf.shape)
-        for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-    }
+    wanted = {_keystr(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
     for key, shape in wanted.items():
         if key not in stored:
             raise UsageError(f"checkpoint {path} has no array {key}; it was saved by a different model or optimizer")
@@ -327,11 +354,15 @@ def check_compatible(path: Path, stored: dict, expected: dict) -> None:
         return
     if len(differ) == 1 or differ == ["d_model", "head_dim"] or differ == ["n_heads", "head_dim"]:
         f = differ[0]
-        raise UsageError(f"checkpoint {path} was saved with {f}={a[f]} but this run has {f}={b[f]}; "
-                         f"pass --model.{f}={a[f]} or use another --output_dir")
+        raise UsageError(
+            f"checkpoint {path} was saved with {f}={a[f]} but this run has {f}={b[f]}; "
+            f"pass --model.{f}={a[f]} or use another --output_dir"
+        )
     apart = ", ".join(f"{f} {a[f]} vs {b[f]}" for f in differ)
-    raise UsageError(f"checkpoint {path} holds a different model ({apart}); to resume it pass "
-                     f"{_model_flags(stored)}, or pass a new --output_dir to start another run")
+    raise UsageError(
+        f"checkpoint {path} holds a different model ({apart}); to resume it pass "
+        f"{_model_flags(stored)}, or pass a new --output_dir to start another run"
+    )
 
 
 def _model_flags(stored: dict) -> str:
@@ -364,4 +395,3 @@ def check_run_folder(output_dir: str | Path, model: dict) -> None:
         check_compatible(directory / str(step), meta, {"model": model})
     finally:
         ckpt.close()
-

@@ -35,8 +35,12 @@ def converted_from(params_dir: str | Path) -> Path | None:
 
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder: config.json and safetensors weights, not a meshlm params folder."""
-    return path.is_dir() and (path / CONFIG_FILE).is_file() and not is_params_folder(path) and \
-        any(path.glob("*.safetensors"))
+    return (
+        path.is_dir()
+        and (path / CONFIG_FILE).is_file()
+        and not is_params_folder(path)
+        and any(path.glob("*.safetensors"))
+    )
 
 
 def hf_base(base: str | Path, flag: str = "--base") -> str:
@@ -49,9 +53,11 @@ def hf_base(base: str | Path, flag: str = "--base") -> str:
     origin = converted_from(path) if is_params_folder(path) else None
     if origin is not None:
         return str(origin)
-    raise UsageError(f"the base {path} is not a Hugging Face folder, which PEFT needs to load the adapters onto: give "
-                     f"{flag}=DIR, the Hugging Face folder it came from (or make one with `meshlm convert "
-                     f"--to_hf=DIR --checkpoint={path}`)")
+    raise UsageError(
+        f"the base {path} is not a Hugging Face folder, which PEFT needs to load the adapters onto: give "
+        f"{flag}=DIR, the Hugging Face folder it came from (or make one with `meshlm convert "
+        f"--to_hf=DIR --checkpoint={path}`)"
+    )
 
 
 __all__ = ["ORIGIN_FILE", "record_origin", "converted_from", "is_hf_folder", "hf_base"]

@@ -29,9 +29,16 @@ INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20  # the cast-and-write unit of SafetensorsWriter
 
 _DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -197,6 +204,15 @@ class SliceReader:
 
 
 __all__ = [
-    "Entry", "read_header", "read_index", "shard_file_names", "index_json", "SafetensorsWriter", "SliceReader",
-    "np_dtype", "FLOAT_DTYPES", "INDEX_FILE", "CHUNK_BYTES",
+    "Entry",
+    "read_header",
+    "read_index",
+    "shard_file_names",
+    "index_json",
+    "SafetensorsWriter",
+    "SliceReader",
+    "np_dtype",
+    "FLOAT_DTYPES",
+    "INDEX_FILE",
+    "CHUNK_BYTES",
 ]

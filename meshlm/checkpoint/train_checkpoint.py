@@ -121,12 +121,16 @@ class TrainCheckpoint(WholeLeafSource):
         try:
             meta = read_meta(directory, self.step)
         except Exception as e:  # noqa: BLE001  (unreadable metadata: a broken checkpoint)
-            raise UsageError(f"checkpoint {self.where} has unreadable metadata ({type(e).__name__}); {self._instead}") from None
+            raise UsageError(
+                f"checkpoint {self.where} has unreadable metadata ({type(e).__name__}); {self._instead}"
+            ) from None
         if "model" not in meta:
             raise UsageError(f"checkpoint {self.where} records no model config; it was not written by meshlm train")
         if meta.get("lora"):
-            raise UsageError(f"checkpoint {self.where} holds LoRA adapters, not whole weights; meshlm export "
-                             "--lora_format=peft writes the adapters, meshlm export --merge the merged weights")
+            raise UsageError(
+                f"checkpoint {self.where} holds LoRA adapters, not whole weights; meshlm export "
+                "--lora_format=peft writes the adapters, meshlm export --merge the merged weights"
+            )
         self.cfg = config_from_meta(meta["model"])
         self.state_dir = directory / str(self.step) / "state"
         self._ckptr = ocp.PyTreeCheckpointer()
@@ -135,7 +139,9 @@ class TrainCheckpoint(WholeLeafSource):
                 tree = ocp.PyTreeCheckpointHandler().metadata(self.state_dir)
             self._stored = getattr(tree, "tree", tree)["params"]
         except Exception as e:  # noqa: BLE001
-            raise UsageError(f"checkpoint {self.where} has unreadable state ({type(e).__name__}); {self._instead}") from None
+            raise UsageError(
+                f"checkpoint {self.where} has unreadable state ({type(e).__name__}); {self._instead}"
+            ) from None
         for leaf in leaves(self.cfg):
             try:
                 shape = tuple(get_path(self._stored, leaf.path).shape)
@@ -160,7 +166,9 @@ class TrainCheckpoint(WholeLeafSource):
             with reads_that_may_fail():
                 return self._ckptr.restore(self.state_dir, args=args)["params"]
         except Exception as e:  # noqa: BLE001  (truncated or corrupt files surface as many error types)
-            raise UsageError(f"checkpoint {self.where} is incomplete or corrupt ({error_line(e)}); {self._instead}") from None
+            raise UsageError(
+                f"checkpoint {self.where} is incomplete or corrupt ({error_line(e)}); {self._instead}"
+            ) from None
 
     def whole_leaf(self, leaf: Leaf) -> np.ndarray:
         """One whole leaf in host memory, by an Orbax partial restore of that leaf alone."""

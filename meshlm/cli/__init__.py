@@ -38,8 +38,10 @@ def version() -> str:
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {line}" for name, (_, _, line) in COMMANDS.items()]
-    return ("usage: meshlm COMMAND [flags]   (meshlm COMMAND --help for its flags; meshlm --version)\n\ncommands:\n"
-            + "\n".join(lines))
+    return (
+        "usage: meshlm COMMAND [flags]   (meshlm COMMAND --help for its flags; meshlm --version)\n\ncommands:\n"
+        + "\n".join(lines)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,10 +19,14 @@ def convert(argv: list[str]) -> int:
     from meshlm.checkpoint.convert import convert_from_hf, convert_to_hf
 
     parser = Parser(prog="meshlm convert", description="Hugging Face LLaMA weights in (--from_hf) or out (--to_hf).")
-    parser.add_argument("--from_hf", metavar="DIR", help="a LlamaForCausalLM folder (config.json + *.safetensors) to import")
+    parser.add_argument(
+        "--from_hf", metavar="DIR", help="a LlamaForCausalLM folder (config.json + *.safetensors) to import"
+    )
     parser.add_argument("--out", metavar="P", help="with --from_hf: the meshlm params folder to write")
     parser.add_argument("--to_hf", metavar="DIR", help="the Hugging Face folder to write (config.json + safetensors)")
-    parser.add_argument("--checkpoint", metavar="P", help="with --to_hf: a params folder, a run's output_dir or a checkpoint")
+    parser.add_argument(
+        "--checkpoint", metavar="P", help="with --to_hf: a params folder, a run's output_dir or a checkpoint"
+    )
     parser.add_argument("--step", type=int, help="with --to_hf: which training checkpoint step (default: newest)")
     parser.add_argument("--dtype", help="cast weights to float32, bfloat16 or float16 (default: keep)")
     args = parser.parse_args(argv)
@@ -48,19 +52,38 @@ def convert(argv: list[str]) -> int:
 def export(argv: list[str]) -> int:
     from meshlm.checkpoint.convert import export_params
 
-    parser = Parser(prog="meshlm export", description="Write a checkpoint's parameters only (for serving), in the compute "
-                    "dtype; a LoRA run's adapters as a PEFT folder (--lora_format=peft) or merged into the base (--merge).")
-    parser.add_argument("--checkpoint", metavar="D", required=True, help="a run's output_dir, its checkpoints/ or checkpoints/N")
+    parser = Parser(
+        prog="meshlm export",
+        description="Write a checkpoint's parameters only (for serving), in the compute "
+        "dtype; a LoRA run's adapters as a PEFT folder (--lora_format=peft) or merged into the base (--merge).",
+    )
+    parser.add_argument(
+        "--checkpoint", metavar="D", required=True, help="a run's output_dir, its checkpoints/ or checkpoints/N"
+    )
     parser.add_argument("--out", metavar="P", required=True, help="the folder to write")
     parser.add_argument("--step", type=int, help="which checkpoint step (default: newest)")
-    parser.add_argument("--dtype", help="override the dtype (default: the model's compute dtype; float32 adapters with "
-                        "--lora_format; the base's dtype with --merge)")
-    parser.add_argument("--lora_format", metavar="F", help="a LoRA run's adapters only: peft (a Hugging Face PEFT "
-                        "adapter folder, adapter_config.json + adapter_model.safetensors)")
-    parser.add_argument("--merge", action="store_true", help="a LoRA run: the base weights with the adapters merged "
-                        "in (W + alpha/r·A·B), as a Hugging Face folder")
-    parser.add_argument("--base", metavar="DIR", help="with --lora_format or --merge: the base model the adapters "
-                        "were trained on (default: the --init_from folder the checkpoint records)")
+    parser.add_argument(
+        "--dtype",
+        help="override the dtype (default: the model's compute dtype; float32 adapters with "
+        "--lora_format; the base's dtype with --merge)",
+    )
+    parser.add_argument(
+        "--lora_format",
+        metavar="F",
+        help="a LoRA run's adapters only: peft (a Hugging Face PEFT "
+        "adapter folder, adapter_config.json + adapter_model.safetensors)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: the base weights with the adapters merged in (W + alpha/r·A·B), as a Hugging Face folder",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="DIR",
+        help="with --lora_format or --merge: the base model the adapters "
+        "were trained on (default: the --init_from folder the checkpoint records)",
+    )
     args = parser.parse_args(argv)
     if args.lora_format is not None and args.lora_format != "peft":
         raise UsageError(f"--lora_format={args.lora_format}: the one format is peft")

@@ -17,31 +17,62 @@ from meshlm.errors import UsageError
 
 
 def _parser() -> Parser:
-    parser = Parser(prog="meshlm eval", description="Run lm-evaluation-harness tasks on a checkpoint, in this "
-                                                    "process, on the mesh (docs/eval.md).")
-    add_model_flags(parser, max_batch=None, meaning={
-        "max_seq_len": "the context: the longest sequence scored, or prompt + generated tokens [default: the "
-                       "model's, at most 2048]",
-        "max_batch": "generation engine slots, for tasks that generate; a multiple of dp×fsdp [default: "
-                     "--batch_size rounded up to one]"})
+    parser = Parser(
+        prog="meshlm eval",
+        description="Run lm-evaluation-harness tasks on a checkpoint, in this process, on the mesh (docs/eval.md).",
+    )
+    add_model_flags(
+        parser,
+        max_batch=None,
+        meaning={
+            "max_seq_len": "the context: the longest sequence scored, or prompt + generated tokens [default: the "
+            "model's, at most 2048]",
+            "max_batch": "generation engine slots, for tasks that generate; a multiple of dp×fsdp [default: "
+            "--batch_size rounded up to one]",
+        },
+    )
     g = parser.add_argument_group("evaluation (lm-evaluation-harness)")
-    g.add_argument("--tasks", required=True, metavar="A,B",
-                   help="lm-eval task, group or tag names (globs too), task names from --include_path, or task "
-                        "YAML files, comma-separated")
-    g.add_argument("--include_path", metavar="DIR", help="a folder of task YAML files (local tasks: dataset_path: "
-                                                         "json, dataset_kwargs: {data_files: ...})")
+    g.add_argument(
+        "--tasks",
+        required=True,
+        metavar="A,B",
+        help="lm-eval task, group or tag names (globs too), task names from --include_path, or task "
+        "YAML files, comma-separated",
+    )
+    g.add_argument(
+        "--include_path",
+        metavar="DIR",
+        help="a folder of task YAML files (local tasks: dataset_path: json, dataset_kwargs: {data_files: ...})",
+    )
     g.add_argument("--num_fewshot", type=int, help="examples shown before each question [default: each task's]")
-    g.add_argument("--limit", type=float, help="evaluate only the first N examples of each task, or a fraction "
-                                               "of them when below 1 [default: all]")
-    g.add_argument("--batch_size", type=int, default=8,
-                   help="sequences per forward when scoring, and engine slots when generating [default: 8]")
-    g.add_argument("--max_gen_toks", type=int, default=256,
-                   help="new tokens at most per generation, where a task does not say [default: 256]")
-    g.add_argument("--output_path", metavar="P", help="write lm-eval's results JSON into this folder (under the "
-                                                      "model's name), or to this .json path [default: print only]")
-    g.add_argument("--log_samples", action="store_true",
-                   help="also write every sample's prompt, answers and scores (samples_<task>_<date>.jsonl); "
-                        "needs --output_path")
+    g.add_argument(
+        "--limit",
+        type=float,
+        help="evaluate only the first N examples of each task, or a fraction of them when below 1 [default: all]",
+    )
+    g.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="sequences per forward when scoring, and engine slots when generating [default: 8]",
+    )
+    g.add_argument(
+        "--max_gen_toks",
+        type=int,
+        default=256,
+        help="new tokens at most per generation, where a task does not say [default: 256]",
+    )
+    g.add_argument(
+        "--output_path",
+        metavar="P",
+        help="write lm-eval's results JSON into this folder (under the "
+        "model's name), or to this .json path [default: print only]",
+    )
+    g.add_argument(
+        "--log_samples",
+        action="store_true",
+        help="also write every sample's prompt, answers and scores (samples_<task>_<date>.jsonl); needs --output_path",
+    )
     g.add_argument("--seed", type=int, default=1234, help="for few-shot picks and sampled generations [default: 1234]")
     return parser
 
@@ -58,7 +89,9 @@ def _check(args) -> None:
             raise UsageError(f"--limit={args.limit:g}: give a number of examples (1, 2, ...) or a fraction in (0, 1)")
         args.limit = int(args.limit) if args.limit >= 1 else args.limit
     if args.include_path is not None and not Path(args.include_path).is_dir():
-        raise UsageError(f"--include_path={args.include_path} is not a folder; give the folder holding your task YAML files")
+        raise UsageError(
+            f"--include_path={args.include_path} is not a folder; give the folder holding your task YAML files"
+        )
     if args.log_samples and not args.output_path:
         raise UsageError("--log_samples writes files: give --output_path=FOLDER as well")
     if args.output_path is not None:
@@ -73,7 +106,9 @@ def _check(args) -> None:
         try:
             args.prefill_buckets = tuple(int(b) for b in args.prefill_buckets.split(","))
         except ValueError:
-            raise UsageError(f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256") from None
+            raise UsageError(
+                f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256"
+            ) from None
 
 
 def run(argv: list[str]) -> int:
@@ -100,20 +135,44 @@ def _evaluate(args, manager, tasks: list[str]) -> int:
     model, shape = load(args, err)
     context = args.max_seq_len or min(model.cfg.max_seq_len, 2048)
     slots = args.max_batch or -(-args.batch_size // shape.data) * shape.data  # the engine's, if a task generates
-    plan_shapes(model.cfg.max_seq_len, max_batch=slots, max_seq_len=context, prefill_buckets=args.prefill_buckets,
-                prefill_batch=None, data=shape.data, sp=shape.sp)  # its shapes checked before any work
-    lm = MeshLM(model, batch_size=args.batch_size, context=context, max_gen_toks=args.max_gen_toks,
-                engine_batch=slots, prefill_buckets=args.prefill_buckets, seed=args.seed)
+    plan_shapes(
+        model.cfg.max_seq_len,
+        max_batch=slots,
+        max_seq_len=context,
+        prefill_buckets=args.prefill_buckets,
+        prefill_batch=None,
+        data=shape.data,
+        sp=shape.sp,
+    )  # its shapes checked before any work
+    lm = MeshLM(
+        model,
+        batch_size=args.batch_size,
+        context=context,
+        max_gen_toks=args.max_gen_toks,
+        engine_batch=slots,
+        prefill_buckets=args.prefill_buckets,
+        seed=args.seed,
+    )
     t0 = time.perf_counter()
     try:
-        results, tracker = run_tasks(lm, tasks, manager, num_fewshot=args.num_fewshot, limit=args.limit,
-                                     log_samples=args.log_samples, seed=args.seed, model_name=args.checkpoint,
-                                     output_path=args.output_path)
+        results, tracker = run_tasks(
+            lm,
+            tasks,
+            manager,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            log_samples=args.log_samples,
+            seed=args.seed,
+            model_name=args.checkpoint,
+            output_path=args.output_path,
+        )
     finally:
         lm.close()
     seconds = time.perf_counter() - t0
-    out.print(f"meshlm ({model.name}), limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
-              f"batch_size: {args.batch_size}, {seconds:.1f} s")
+    out.print(
+        f"meshlm ({model.name}), limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
+        f"batch_size: {args.batch_size}, {seconds:.1f} s"
+    )
     out.print(summary_table(results))
     if results.get("groups"):
         out.print(summary_table(results, "groups"))

@@ -1,9 +1,9 @@
 """The command-line parser every `meshlm` command uses, and flags built from `meshlm.config` sections.
 
-    parser = Parser(prog="meshlm train", description="...")
-    add_section_flags(parser, TrainConfig)                   # every section, one help group each
-    add_section_flags(parser, ClusterConfig, title="...")    # one section
-    argv, overrides = split_model_overrides(argv)            # --model.FIELD=VALUE
+parser = Parser(prog="meshlm train", description="...")
+add_section_flags(parser, TrainConfig)                   # every section, one help group each
+add_section_flags(parser, ClusterConfig, title="...")    # one section
+argv, overrides = split_model_overrides(argv)            # --model.FIELD=VALUE
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
-def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None, defaults: dict | None = None,
-                        meaning: dict[str, str] | None = None) -> None:
+def add_dataclass_flags(
+    parser,
+    cls,
+    only: tuple[str, ...] | None = None,
+    defaults: dict | None = None,
+    meaning: dict[str, str] | None = None,
+) -> None:
     """A flag per field of `cls` (or only the fields named in `only`), with its help text and default.
     A command where a flag means something else passes its own `defaults` and help (`meaning`, taken
     whole, its default written in it) by field name."""
@@ -62,7 +67,8 @@ def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None, defaul
         kind = hints[f.name]
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
         help_text = meaning.get(f.name) or f.metadata.get("help", "") + (
-            f" [default: {default}]" if default is not None and default is not False else "")
+            f" [default: {default}]" if default is not None and default is not False else ""
+        )
         if kind is bool:
             parser.add_argument(f"--{f.name}", action="store_true", help=help_text)
             continue
@@ -70,14 +76,19 @@ def add_dataclass_flags(parser, cls, only: tuple[str, ...] | None = None, defaul
         parser.add_argument(f"--{f.name}", type=base, default=default, help=help_text, metavar=base.__name__.upper())
 
 
-def add_section_flags(parser: argparse.ArgumentParser, cls=config.TrainConfig, title: str | None = None,
-                      only: tuple[str, ...] | None = None) -> None:
+def add_section_flags(
+    parser: argparse.ArgumentParser,
+    cls=config.TrainConfig,
+    title: str | None = None,
+    only: tuple[str, ...] | None = None,
+) -> None:
     """The flags of `cls`: a `meshlm.config` section (one help group), or `TrainConfig` (one group per
     section, in `config.SECTIONS` order)."""
     sections = list(config.SECTIONS.items()) if cls is config.TrainConfig else [(title, cls)]
     for name, section in sections:
-        group = parser.add_argument_group(title if cls is not config.TrainConfig else name,
-                                          (section.__doc__ or "").strip() or None)
+        group = parser.add_argument_group(
+            title if cls is not config.TrainConfig else name, (section.__doc__ or "").strip() or None
+        )
         add_dataclass_flags(group, section, only)
 
 
@@ -90,7 +101,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser, description: str | None =
 # Model fields that are `meshlm train` flags of their own (--dtype, --param_dtype, --remat, --attention):
 # the flag is the one way to set them, so `--model.dtype=...` is refused rather than overridden by it.
 TRAIN_FLAG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) & frozenset(
-    f.name for f in config.flag_fields())
+    f.name for f in config.flag_fields()
+)
 
 
 def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -99,7 +111,7 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--model."):
-            key, eq, value = arg[len("--model."):].partition("=")
+            key, eq, value = arg[len("--model.") :].partition("=")
             if not eq:
                 if i + 1 >= len(argv):
                     raise UsageError(f"{arg} needs a value, e.g. {arg}=4")
@@ -116,8 +128,9 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, overrides
 
 
-def train_config(args: argparse.Namespace, overrides: dict, drop: tuple[str, ...] = (),
-                 given: frozenset[str] = frozenset()) -> config.TrainConfig:
+def train_config(
+    args: argparse.Namespace, overrides: dict, drop: tuple[str, ...] = (), given: frozenset[str] = frozenset()
+) -> config.TrainConfig:
     """A checked TrainConfig from parsed flags (leaving out the command's own flags in `drop`); `given`:
     the flags named on the command line (`Parser.given`), the rest were left at their defaults."""
     values = {k: v for k, v in vars(args).items() if k not in drop}

@@ -21,8 +21,10 @@ from meshlm.mesh import MeshShape
 
 # Flags of plan's own (--pp and --devices mean more here than in train); every other flag is a TrainConfig field.
 PLAN_FLAGS = ("pp", "optimizer", "hardware", "devices", "hosts", "devices_per_host", "top", "verify", "json", "png")
-MEANING = {"mesh_dim": "evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)",
-           "devices": "device count [default: 8, or hosts × devices_per_host]"}
+MEANING = {
+    "mesh_dim": "evaluate only this mesh (dp,fsdp,tp,sp; one entry may be -1; pp:N in the named form)",
+    "devices": "device count [default: 8, or hosts × devices_per_host]",
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,18 +39,25 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument("--optimizer", default="adamw", help="adamw (meshlm train's optimizer) [default: adamw]")
     add_dataclass_flags(job, config.MeshConfig, only=("mesh_dim",), meaning=MEANING)
     pipe = p.add_argument_group("pipeline stages (as in meshlm train)")
-    pipe.add_argument("--pp", default="1", help="pipeline stages, or auto: also plan every pp that divides the devices "
-                                                "and the layers [default: 1]")
+    pipe.add_argument(
+        "--pp",
+        default="1",
+        help="pipeline stages, or auto: also plan every pp that divides the devices and the layers [default: 1]",
+    )
     add_dataclass_flags(pipe, config.PipelineConfig, only=("pipeline_schedule", "microbatches", "virtual_stages"))
     add_cluster_flags(p, "for --verify, as in meshlm train")
     hw = p.add_argument_group("the devices")
     hw.add_argument("--hardware", default="h100", help=f"one of {', '.join(NAMES)} [default: h100]")
     add_dataclass_flags(hw, config.MeshConfig, only=("devices",), meaning=MEANING)
     hw.add_argument("--hosts", type=int, help="servers (GPU) or TPU hosts; with --devices_per_host gives --devices")
-    hw.add_argument("--devices_per_host", type=int, help="devices per host [default: the hardware's, 8 GPUs / 4-8 TPU chips]")
+    hw.add_argument(
+        "--devices_per_host", type=int, help="devices per host [default: the hardware's, 8 GPUs / 4-8 TPU chips]"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="meshes to show [default: 10]")
-    out.add_argument("--verify", type=int, default=0, metavar="K", help="compile the best K plans (abstract inputs) and compare")
+    out.add_argument(
+        "--verify", type=int, default=0, metavar="K", help="compile the best K plans (abstract inputs) and compare"
+    )
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     out.add_argument("--png", metavar="PATH", help="write a chart: memory pie per mesh and predicted step time")
     return p
@@ -62,8 +71,10 @@ def _pipeline(args, cfg: config.TrainConfig) -> tuple:
     flags = pipeline_flags(cfg)
     if args.pp == "auto":
         if args.mesh_dim:
-            raise UsageError(f"--pp=auto searches the meshes, --mesh_dim={args.mesh_dim} names one; give --pp=N "
-                             "(or pp:N in --mesh_dim) with it, or leave --mesh_dim out")
+            raise UsageError(
+                f"--pp=auto searches the meshes, --mesh_dim={args.mesh_dim} names one; give --pp=N "
+                "(or pp:N in --mesh_dim) with it, or leave --mesh_dim out"
+            )
         check(flags.schedule, 1, flags.microbatches or 2, flags.virtual_stages)  # names and signs
         return flags, None
     try:
@@ -96,7 +107,9 @@ def _device_count(args, per_host_default: int | None) -> tuple[int, int | None]:
     if per_host is None:
         if n is not None:
             if n % hosts:
-                raise UsageError(f"--devices={n} is not divisible by --hosts={hosts}; give --devices a multiple of {hosts}")
+                raise UsageError(
+                    f"--devices={n} is not divisible by --hosts={hosts}; give --devices a multiple of {hosts}"
+                )
             return n, n // hosts
         if per_host_default is None:
             raise UsageError(f"--hosts={hosts} on --hardware=cpu needs --devices_per_host (or --devices)")
@@ -140,8 +153,14 @@ def run(argv: list[str]) -> int:
     if n_devices % cluster.num_processes:
         raise UsageError(f"--devices={n_devices} does not split over --num_processes={cluster.num_processes}")
     # Each process brings its share of the devices.
-    return distributed.run("plan", raw, cluster, lambda main: _run(args, cfg, overrides, n_devices, per_host, key, main),
-                           n_devices // cluster.num_processes, connect_timeout=args.connect_timeout)
+    return distributed.run(
+        "plan",
+        raw,
+        cluster,
+        lambda main: _run(args, cfg, overrides, n_devices, per_host, key, main),
+        n_devices // cluster.num_processes,
+        connect_timeout=args.connect_timeout,
+    )
 
 
 def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None, key: str, prints: bool) -> int:
@@ -174,9 +193,11 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
         verify(job, plans, args.verify, hw.name)
     if not prints:
         return 0
-    model_flags = [*([f"--model={args.model or 'tiny'}"] if args.model or not args.init_from else []),
-                   *([f"--init_from={args.init_from}"] if args.init_from else []),
-                   *(f"--model.{k}={v}" for k, v in overrides.items())]
+    model_flags = [
+        *([f"--model={args.model or 'tiny'}"] if args.model or not args.init_from else []),
+        *([f"--init_from={args.init_from}"] if args.init_from else []),
+        *(f"--model.{k}={v}" for k, v in overrides.items()),
+    ]
     if args.png:
         path = report.write_png(args.png, job, hw, plans, args.top)
     if args.json:

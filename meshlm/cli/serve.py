@@ -24,8 +24,10 @@ from meshlm.cli.flags import Parser, add_cluster_flags, add_dataclass_flags
 from meshlm.errors import UsageError
 from meshlm.serve.engine.limits import MAX_LOGPROBS, MAX_QUEUE, MAX_REQUEST_TOKENS
 
-CLUSTER_HELP = ("as for `meshlm train` (docs/distributed.md): process 0 takes the work and schedules every step, "
-                "the others run the same steps")
+CLUSTER_HELP = (
+    "as for `meshlm train` (docs/distributed.md): process 0 takes the work and schedules every step, "
+    "the others run the same steps"
+)
 
 
 # --mesh_dim, --devices and --dtype are `meshlm train`'s (meshlm.config), with serving's default mesh and meaning.
@@ -34,37 +36,69 @@ SERVING_MEANING = {
     "mesh_dim": f"dp,fsdp,tp,sp as in `meshlm train` [default: {SERVING_MESH}, tensor parallel over all devices]",
     "devices": "simulate this many CPU devices",
     "dtype": "compute and weight dtype: auto (float32 on CPU, bfloat16 on accelerators), float32, bfloat16, "
-             "float16 [default: auto]",
+    "float16 [default: auto]",
 }
 
 
-def add_model_flags(parser: argparse.ArgumentParser, max_batch: int | None, one_prompt: bool = False,
-                    meaning: dict[str, str] | None = None) -> None:
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    max_batch: int | None,
+    one_prompt: bool = False,
+    meaning: dict[str, str] | None = None,
+) -> None:
     """The flags `generate`, `serve` and `eval` share. `one_prompt` (generate): the cache and the prefill
     are sized to the one prompt unless the flags say otherwise, and the help says so. `meaning`: help
     texts by flag name where the command gives a flag another meaning."""
     meaning = {**SERVING_MEANING, **(meaning or {})}
     g = parser.add_argument_group("model and mesh")
-    g.add_argument("--checkpoint", required=True, metavar="P",
-                   help="a run's output_dir (or checkpoints/N), a `meshlm export`/`convert` folder, or a Hugging "
-                        "Face folder (config.json + *.safetensors; an hf: prefix is optional)")
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="P",
+        help="a run's output_dir (or checkpoints/N), a `meshlm export`/`convert` folder, or a Hugging "
+        "Face folder (config.json + *.safetensors; an hf: prefix is optional)",
+    )
     g.add_argument("--step", type=int, help="which training checkpoint step (default: newest)")
-    g.add_argument("--base", metavar="DIR",
-                   help="a LoRA run's checkpoint is served as its base with the adapters merged in; the base model "
-                        "folder, when it is no longer where the run recorded it (docs/lora.md)")
+    g.add_argument(
+        "--base",
+        metavar="DIR",
+        help="a LoRA run's checkpoint is served as its base with the adapters merged in; the base model "
+        "folder, when it is no longer where the run recorded it (docs/lora.md)",
+    )
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json to use instead of the one beside the weights")
-    add_dataclass_flags(g, config.MeshConfig, only=("mesh_dim", "devices"), defaults={"mesh_dim": SERVING_MESH},
-                        meaning=meaning)
+    add_dataclass_flags(
+        g, config.MeshConfig, only=("mesh_dim", "devices"), defaults={"mesh_dim": SERVING_MESH}, meaning=meaning
+    )
     add_dataclass_flags(g, config.PrecisionConfig, only=("dtype",), meaning=meaning)
-    g.add_argument("--max_seq_len", type=int, help=meaning.get("max_seq_len") or (
-        "context length of the KV cache (prompt + generated tokens) "
-        + ("[default: the prompt's tokens plus --max_tokens]" if one_prompt else "[default: the model's, at most 2048]")))
-    g.add_argument("--max_batch", type=int, default=max_batch, help=meaning.get("max_batch") or (
-        "decode slots shared by concurrent requests, a multiple of dp×fsdp"
-        + (f" [default: {max_batch}]" if max_batch else " [default: dp×fsdp]")))
-    g.add_argument("--prefill_buckets", metavar="N,N,...",
-                   help="prompt lengths that get a compiled prefill " + ("[default: the prompt's length]" if one_prompt
-                                                                         else "[default: 32, 64, ... up to max_seq_len]"))
+    g.add_argument(
+        "--max_seq_len",
+        type=int,
+        help=meaning.get("max_seq_len")
+        or (
+            "context length of the KV cache (prompt + generated tokens) "
+            + (
+                "[default: the prompt's tokens plus --max_tokens]"
+                if one_prompt
+                else "[default: the model's, at most 2048]"
+            )
+        ),
+    )
+    g.add_argument(
+        "--max_batch",
+        type=int,
+        default=max_batch,
+        help=meaning.get("max_batch")
+        or (
+            "decode slots shared by concurrent requests, a multiple of dp×fsdp"
+            + (f" [default: {max_batch}]" if max_batch else " [default: dp×fsdp]")
+        ),
+    )
+    g.add_argument(
+        "--prefill_buckets",
+        metavar="N,N,...",
+        help="prompt lengths that get a compiled prefill "
+        + ("[default: the prompt's length]" if one_prompt else "[default: 32, 64, ... up to max_seq_len]"),
+    )
 
 
 def check_host(host: str) -> None:
@@ -75,18 +109,23 @@ def check_host(host: str) -> None:
     import socket
 
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ]
     except socket.gaierror as e:
-        raise UsageError(f"--host={host}: not a name or address this machine can resolve ({e.strerror}); "
-                         "use 127.0.0.1, 0.0.0.0 (every address) or one of this machine's addresses") from None
+        raise UsageError(
+            f"--host={host}: not a name or address this machine can resolve ({e.strerror}); "
+            "use 127.0.0.1, 0.0.0.0 (every address) or one of this machine's addresses"
+        ) from None
     with socket.socket(family, kind, proto) as probe:
         try:
             probe.bind(address)
         except OSError as e:
             if e.errno == errno.EADDRNOTAVAIL:
-                raise UsageError(f"--host={host} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
-                                 "(every address) or one of this machine's own addresses") from None
+                raise UsageError(
+                    f"--host={host} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
+                    "(every address) or one of this machine's own addresses"
+                ) from None
             raise UsageError(f"--host={host}: cannot listen there ({e.strerror})") from None
 
 
@@ -108,15 +147,26 @@ def load(args, console):
     n = jax.device_count()
     t0 = time.perf_counter()
     with console.status(f"loading {args.checkpoint} onto --mesh_dim={args.mesh_dim} ({n} {jax.devices()[0].platform})"):
-        model, job = load_model(args.checkpoint, mesh_dim=args.mesh_dim, dtype=args.dtype, max_batch=args.max_batch,
-                                max_seq_len=args.max_seq_len, step=args.step, tokenizer=args.tokenizer,
-                                base=args.base)
+        model, job = load_model(
+            args.checkpoint,
+            mesh_dim=args.mesh_dim,
+            dtype=args.dtype,
+            max_batch=args.max_batch,
+            max_seq_len=args.max_seq_len,
+            step=args.step,
+            tokenizer=args.tokenizer,
+            base=args.base,
+        )
     if job.dcn is not None:
-        console.print(f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
-                      f"--dcn_mesh_dim={job.dcn} ({', '.join(f'{k}={v}' for k, v in job.dcn.as_dict().items() if v > 1)})")
+        console.print(
+            f"{jax.process_count()} processes × {jax.local_device_count()} devices; across hosts "
+            f"--dcn_mesh_dim={job.dcn} ({', '.join(f'{k}={v}' for k, v in job.dcn.as_dict().items() if v > 1)})"
+        )
     cfg = model.cfg
-    console.print(f"loaded {model.name} ({cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}) in "
-                  f"{time.perf_counter() - t0:.1f} s on --mesh_dim={job.shape}")
+    console.print(
+        f"loaded {model.name} ({cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}) in "
+        f"{time.perf_counter() - t0:.1f} s on --mesh_dim={job.shape}"
+    )
     return model, job.shape
 
 
@@ -132,9 +182,18 @@ def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, fi
         try:
             buckets = tuple(int(b) for b in args.prefill_buckets.split(","))
         except ValueError:
-            raise UsageError(f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256") from None
-    engine = Engine(model, max_batch=args.max_batch or shape.data, max_seq_len=args.max_seq_len or max_seq_len,
-                    prefill_buckets=buckets, link=multihost.link(), warm_scorer=warm_scorer, **limits)
+            raise UsageError(
+                f"--prefill_buckets={args.prefill_buckets}: give comma-separated lengths like 64,256"
+            ) from None
+    engine = Engine(
+        model,
+        max_batch=args.max_batch or shape.data,
+        max_seq_len=args.max_seq_len or max_seq_len,
+        prefill_buckets=buckets,
+        link=multihost.link(),
+        warm_scorer=warm_scorer,
+        **limits,
+    )
     progress = None if console.quiet else WarmupProgress(console)
     try:
         seconds = engine.warmup(progress, count=first)
@@ -143,8 +202,10 @@ def build_engine(model, shape, args, console, max_seq_len=None, buckets=None, fi
             progress.close()
         raise
     done, total = engine.warmed()
-    console.print(f"compiled {done} of {total} shapes in {seconds:.1f} s; context {engine.max_seq_len} tokens, "
-                  f"{engine.max_batch} slot(s), prompt buckets {', '.join(map(str, engine.buckets))}")
+    console.print(
+        f"compiled {done} of {total} shapes in {seconds:.1f} s; context {engine.max_seq_len} tokens, "
+        f"{engine.max_batch} slot(s), prompt buckets {', '.join(map(str, engine.buckets))}"
+    )
     return engine, progress
 
 
@@ -189,8 +250,15 @@ def generate(argv: list[str]) -> int:
         step = 2 * shape.sp
         need = -(-(len(ids) + max(args.max_tokens, 0)) // step) * step
         bucket = min(-(-max(len(ids), 1) // step) * step, need)
-        engine, _ = build_engine(model, shape, args, err, max_seq_len=min(need, model.cfg.max_seq_len),
-                                 buckets=(min(bucket, model.cfg.max_seq_len),), warm_scorer=False)
+        engine, _ = build_engine(
+            model,
+            shape,
+            args,
+            err,
+            max_seq_len=min(need, model.cfg.max_seq_len),
+            buckets=(min(bucket, model.cfg.max_seq_len),),
+            warm_scorer=False,
+        )
         request = GenerationRequest(ids, args.max_tokens, sampling, tuple(args.stop))
         try:
             engine.check(request)  # in every process, so that all of them stop on a bad request
@@ -228,8 +296,10 @@ def _stream(engine, request, prompt: str, err) -> None:
         total = time.perf_counter() - handle.submitted
         ttft = (handle.first_token_at or time.perf_counter()) - handle.submitted
         rate = (handle.completion_tokens - 1) / max(total - ttft, 1e-9)
-        err.print(f"[dim]{handle.completion_tokens} tokens ({handle.finish_reason}); first token after "
-                  f"{ttft * 1e3:.0f} ms, then {rate:.1f} tokens/s[/dim]")
+        err.print(
+            f"[dim]{handle.completion_tokens} tokens ({handle.finish_reason}); first token after "
+            f"{ttft * 1e3:.0f} ms, then {rate:.1f} tokens/s[/dim]"
+        )
     finally:
         engine.stop()
 
@@ -241,25 +311,55 @@ def serve(argv: list[str]) -> int:
     add_model_flags(parser, max_batch=16)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it [default: 127.0.0.1]")
-    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on; taken before the model loads, so "
-                                                        "a busy one fails at once [default: 8000]")
-    g.add_argument("--api_key", default=os.environ.get("MESHLM_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]")
+    g.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="TCP port to listen on; taken before the model loads, so a busy one fails at once [default: 8000]",
+    )
+    g.add_argument(
+        "--api_key",
+        default=os.environ.get("MESHLM_API_KEY"),
+        help="require `Authorization: Bearer KEY` (or set MESHLM_API_KEY) [default: none]",
+    )
     g.add_argument("--model_name", help="the model id clients send and /v1/models lists [default: the folder name]")
-    g.add_argument("--header_timeout", type=float, default=10.0, metavar="S",
-                   help="close a connection that has not sent a request's head (request line and headers) "
-                        "within S seconds of connecting or of its last reply [default: 10]")
-    g.add_argument("--body_timeout", type=float, default=30.0, metavar="S",
-                   help="close a connection that has not sent a request's body within S seconds of its head "
-                        "[default: 30]")
-    g.add_argument("--max_queue", type=int, default=MAX_QUEUE, metavar="N",
-                   help=f"prompts that may wait for a slot at once; a request past that gets 429 [default: {MAX_QUEUE}]")
-    g.add_argument("--max_request_tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
-                   help="tokens one request of several prompts may ask for in all (prompts × max_tokens) "
-                        f"[default: {MAX_REQUEST_TOKENS}]")
-    g.add_argument("--max_logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
-                   help="log-probabilities one request may return (tokens × (alternatives + 1)) "
-                        f"[default: {MAX_LOGPROBS}]")
+    g.add_argument(
+        "--header_timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="close a connection that has not sent a request's head (request line and headers) "
+        "within S seconds of connecting or of its last reply [default: 10]",
+    )
+    g.add_argument(
+        "--body_timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="close a connection that has not sent a request's body within S seconds of its head [default: 30]",
+    )
+    g.add_argument(
+        "--max_queue",
+        type=int,
+        default=MAX_QUEUE,
+        metavar="N",
+        help=f"prompts that may wait for a slot at once; a request past that gets 429 [default: {MAX_QUEUE}]",
+    )
+    g.add_argument(
+        "--max_request_tokens",
+        type=int,
+        default=MAX_REQUEST_TOKENS,
+        metavar="N",
+        help="tokens one request of several prompts may ask for in all (prompts × max_tokens) "
+        f"[default: {MAX_REQUEST_TOKENS}]",
+    )
+    g.add_argument(
+        "--max_logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        metavar="N",
+        help=f"log-probabilities one request may return (tokens × (alternatives + 1)) [default: {MAX_LOGPROBS}]",
+    )
     add_cluster_flags(parser, CLUSTER_HELP)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -296,16 +396,24 @@ def serve(argv: list[str]) -> int:
             engine.model_name = args.model_name
         url = f"http://{args.host}:{args.port}"
         left = len(engine.uncompiled())
-        console.print(f"serving {engine.model_name} on {url} (chat page at /, API at /v1)"
-                      + (f"; compiling the other {left} shapes in the background" if left else ""))
+        console.print(
+            f"serving {engine.model_name} on {url} (chat page at /, API at /v1)"
+            + (f"; compiling the other {left} shapes in the background" if left else "")
+        )
         if progress is not None:
             progress.on_done = lambda s: console.print(f"ready: every shape compiled ({s:.1f} s); serving on {url}")
         if not left:
             console.print(f"ready: serving on {url}")
         try:
-            run_server(engine.start(background=True, progress=progress), host=args.host, port=args.port,
-                       api_key=args.api_key, sock=sock, header_timeout_s=args.header_timeout,
-                       body_timeout_s=args.body_timeout)
+            run_server(
+                engine.start(background=True, progress=progress),
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+                sock=sock,
+                header_timeout_s=args.header_timeout,
+                body_timeout_s=args.body_timeout,
+            )
         finally:
             engine.stop()
             if progress is not None:

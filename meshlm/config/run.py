@@ -1,8 +1,8 @@
 """`TrainConfig`: one run's settings, each section of `meshlm.config.sections` a field of it.
 
-    cfg = TrainConfig(model="tiny", batch_size=16)   # flags by name, each set on its section
-    cfg.batch.batch_size, cfg.batch_size             # the same value: a flag reads through to its section
-    cfg.validate()                                   # every section's check, once per set of values
+cfg = TrainConfig(model="tiny", batch_size=16)   # flags by name, each set on its section
+cfg.batch.batch_size, cfg.batch_size             # the same value: a flag reads through to its section
+cfg.validate()                                   # every section's check, once per set of values
 """
 
 from __future__ import annotations
@@ -30,10 +30,22 @@ from meshlm.config.sections import (
 )
 
 # Help-group title (`SECTIONS`) -> the attribute of `TrainConfig` that holds the section.
-ATTRIBUTES = {"mesh": "mesh", "cluster": "cluster", "model": "source", "pipeline": "pipeline", "batch": "batch",
-              "precision": "precision", "optimizer": "optimizer", "lora": "lora", "data": "data",
-              "finetune data": "finetune", "eval": "eval", "checkpoint": "checkpoint", "logging": "logging",
-              "tracking": "tracking"}
+ATTRIBUTES = {
+    "mesh": "mesh",
+    "cluster": "cluster",
+    "model": "source",
+    "pipeline": "pipeline",
+    "batch": "batch",
+    "precision": "precision",
+    "optimizer": "optimizer",
+    "lora": "lora",
+    "data": "data",
+    "finetune data": "finetune",
+    "eval": "eval",
+    "checkpoint": "checkpoint",
+    "logging": "logging",
+    "tracking": "tracking",
+}
 
 
 def flag_fields() -> list[dataclasses.Field]:

@@ -70,8 +70,10 @@ class ChatData:
         s = self.stats
         share = s["counted"] / max(s["targets"], 1)
         long = s["truncated"] + s["dropped"]
-        line = (f"chat data: {s['conversations']} conversations in {s['blocks']} rows of {seq_len} tokens, template "
-                f"{self.origin}; loss on {options.loss_on} tokens ({share:.0%} of targets)")
+        line = (
+            f"chat data: {s['conversations']} conversations in {s['blocks']} rows of {seq_len} tokens, template "
+            f"{self.origin}; loss on {options.loss_on} tokens ({share:.0%} of targets)"
+        )
         if long:
             done = "truncated" if options.long_conversations == "truncate" else "dropped"
             line += f"; {long} longer than --seq_len={seq_len} {done} (--long_conversations)"
@@ -122,8 +124,9 @@ def _messages(where: str, raw: bytes) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict], loss_on: str = "assistant",
-                        where: str = "conversation") -> tuple[list[int], list[int]]:
+def encode_conversation(
+    template: ChatTemplate, tokenizer, messages: list[dict], loss_on: str = "assistant", where: str = "conversation"
+) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation, then its end-of-text id, and per token 1 when it counts
     in the loss as a target (see the module docstring), else 0."""
     try:
@@ -135,9 +138,11 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
             before = template.render(messages[:k], add_generation_prompt=True)
             through = template.render(messages[: k + 1], add_generation_prompt=False)
             if not (through.startswith(before) and full.startswith(through)):
-                raise UsageError(f"{where}: the chat template renders turns before reply {k} differently once "
-                                 f"later turns follow, so training would not match serving; pass "
-                                 f"--chat_template=chatml (or plain, or a Jinja file)")
+                raise UsageError(
+                    f"{where}: the chat template renders turns before reply {k} differently once "
+                    f"later turns follow, so training would not match serving; pass "
+                    f"--chat_template=chatml (or plain, or a Jinja file)"
+                )
             spans.append((len(before), len(through)))
     except ChatTemplateError as e:
         raise UsageError(f"{where}: {e}; fix the conversation or pass another --chat_template") from None
@@ -206,24 +211,47 @@ def pack_chat_rows(rows: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]
     }
 
 
-def tokenize_chat(spec: str, tokenizer, seq_len: int, options: ChatOptions = ChatOptions(), *, cache_dir=None,
-                  text_field: str = "text") -> ChatData:
+def tokenize_chat(
+    spec: str,
+    tokenizer,
+    seq_len: int,
+    options: ChatOptions = ChatOptions(),
+    *,
+    cache_dir=None,
+    text_field: str = "text",
+) -> ChatData:
     """Render, encode and pack a chat dataset (cached on disk, keyed by the data, tokenizer, template,
     options and seq_len)."""
     if not hasattr(tokenizer, "encode_offsets"):
         raise UsageError("chat data needs a real tokenizer; pass --tokenizer=PATH or let meshlm train one")
     corpus = open_corpus(spec, text_field)
     template, origin = resolve_chat_template(options.chat_template, tokenizer)
-    key = "|".join(map(str, (_FORMAT, corpus.spec, corpus.fingerprint, tokenizer.fingerprint, template.source,
-                             template.bos_token, template.eos_token, options.loss_on, options.long_conversations,
-                             seq_len)))
+    key = "|".join(
+        map(
+            str,
+            (
+                _FORMAT,
+                corpus.spec,
+                corpus.fingerprint,
+                tokenizer.fingerprint,
+                template.source,
+                template.bos_token,
+                template.eos_token,
+                options.loss_on,
+                options.long_conversations,
+                seq_len,
+            ),
+        )
+    )
     slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "chat"
     path = cache_root(cache_dir) / "chat" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
     if path.is_file():
         with np.load(path) as f:
             return ChatData(f["tokens"], f["flags"], template, origin, json.loads(str(f["stats"])))
-    encoded = (encode_conversation(template, tokenizer, messages, options.loss_on, where)
-               for where, messages in read_conversations(cast(FileCorpus, corpus)))
+    encoded = (
+        encode_conversation(template, tokenizer, messages, options.loss_on, where)
+        for where, messages in read_conversations(cast(FileCorpus, corpus))
+    )
     tokens, flags, stats = pack_conversations(encoded, seq_len, tokenizer.eos_id, options.long_conversations)
     tokens = tokens.astype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
 
@@ -235,5 +263,15 @@ def tokenize_chat(spec: str, tokenizer, seq_len: int, options: ChatOptions = Cha
     return ChatData(tokens, flags, template, origin, stats)
 
 
-__all__ = ["LOSS_ON", "LONG_CONVERSATIONS", "ChatData", "ChatOptions", "encode_conversation", "is_chat_dataset",
-           "pack_chat_rows", "pack_conversations", "read_conversations", "tokenize_chat"]
+__all__ = [
+    "LOSS_ON",
+    "LONG_CONVERSATIONS",
+    "ChatData",
+    "ChatOptions",
+    "encode_conversation",
+    "is_chat_dataset",
+    "pack_chat_rows",
+    "pack_conversations",
+    "read_conversations",
+    "tokenize_chat",
+]

@@ -155,8 +155,10 @@ def resolve_chat_template(spec: str | None, tokenizer) -> tuple[ChatTemplate, st
     else:
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise UsageError(f"--chat_template={spec}: neither a built-in template ({', '.join(BUILTIN)}) "
-                                    f"nor a Jinja file; name one of them or an existing file")
+            raise UsageError(
+                f"--chat_template={spec}: neither a built-in template ({', '.join(BUILTIN)}) "
+                f"nor a Jinja file; name one of them or an existing file"
+            )
         source, origin = path.read_text(), str(path)
     if source == DEFAULT_TEMPLATE:
         return ChatTemplate(), origin

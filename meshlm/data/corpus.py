@@ -55,9 +55,7 @@ def atomic_write(path: Path, write) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
-        raise UsageError(
-            f"cannot write the cache file {path} ({e}); set MESHLM_CACHE to a writable folder"
-        ) from e
+        raise UsageError(f"cannot write the cache file {path} ({e}); set MESHLM_CACHE to a writable folder") from e
     os.close(fd)
     try:
         write(Path(tmp))
@@ -209,9 +207,7 @@ def _open_hf(spec: str, text_field: str) -> HFCorpus:
     try:
         import datasets  # noqa: F401  (optional dependency, imported only when asked for)
     except ImportError:
-        raise UsageError(
-            f"--dataset={spec} needs the Hugging Face `datasets` library: pip install datasets"
-        ) from None
+        raise UsageError(f"--dataset={spec} needs the Hugging Face `datasets` library: pip install datasets") from None
     return HFCorpus(spec, name, split or "train", text_field)
 
 
@@ -234,14 +230,15 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
             try:
                 record = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UsageError(
-                    f"{path}:{lineno}: not a valid UTF-8 JSON line ({e}); fix or remove it"
-                ) from None
+                raise UsageError(f"{path}:{lineno}: not a valid UTF-8 JSON line ({e}); fix or remove it") from None
             text = record.get(text_field) if isinstance(record, dict) else None
             if text is None and isinstance(record, dict) and isinstance(record.get("messages"), list):
                 # chat data (meshlm.data.chat): its messages' text, e.g. to train a tokenizer on
-                text = "\n".join(m["content"] for m in record["messages"]
-                                 if isinstance(m, dict) and isinstance(m.get("content"), str))
+                text = "\n".join(
+                    m["content"]
+                    for m in record["messages"]
+                    if isinstance(m, dict) and isinstance(m.get("content"), str)
+                )
             if not isinstance(text, str):
                 raise UsageError(
                     f"{path}:{lineno}: no string field {text_field!r}; pass --text_field=KEY naming "

@@ -33,9 +33,20 @@ class EvalBatches:
     `tokens` and `rows` are the packed stream and the evaluation row ids (None for synthetic data);
     `source` names the flag to change when there are too few rows."""
 
-    def __init__(self, tokens, rows, tokenizer, seq_len: int, global_batch_size: int, n_batches: int | None,
-                 process_index: int = 0, process_count: int = 1, seed: int = 0, source: str = "--eval_split",
-                 flags=None):
+    def __init__(
+        self,
+        tokens,
+        rows,
+        tokenizer,
+        seq_len: int,
+        global_batch_size: int,
+        n_batches: int | None,
+        process_index: int = 0,
+        process_count: int = 1,
+        seed: int = 0,
+        source: str = "--eval_split",
+        flags=None,
+    ):
         self.tokens, self.rows, self.tokenizer, self.flags = tokens, rows, tokenizer, flags
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.process_index, self.local_batch_size = process_index, global_batch_size // process_count
@@ -49,8 +60,12 @@ class EvalBatches:
                     f"{source} gives {len(rows)} evaluation row{'s' if len(rows) != 1 else ''} of {seq_len} + 1 "
                     f"tokens, fewer than "
                     f"{want} batch{'es' if want > 1 else ''} of --batch_size={global_batch_size}; "
-                    + ("raise --eval_split or lower --eval_batches or --batch_size" if source.startswith("--eval_split")
-                       else "use a bigger --eval_dataset or lower --eval_batches, --batch_size or --seq_len"))
+                    + (
+                        "raise --eval_split or lower --eval_batches or --batch_size"
+                        if source.startswith("--eval_split")
+                        else "use a bigger --eval_dataset or lower --eval_batches, --batch_size or --seq_len"
+                    )
+                )
             self.n_batches = n_batches or min(fit, DEFAULT_EVAL_BATCHES)
         self._cache: list[dict[str, np.ndarray]] | None = None
 
@@ -61,15 +76,21 @@ class EvalBatches:
     def global_rows(self, b: int) -> np.ndarray:
         """The row ids of evaluation batch `b` that this process reads (all processes: the whole batch)."""
         first = b * self.global_batch_size + self.process_index * self.local_batch_size
-        return self.rows[first:first + self.local_batch_size]
+        return self.rows[first : first + self.local_batch_size]
 
     def batch(self, b: int) -> dict[str, np.ndarray]:
         """This process's rows of evaluation batch `b`, packed like a training batch."""
         T = self.seq_len
         if self.rows is None:
             first = self.process_index * self.local_batch_size
-            rows = np.stack([np.random.default_rng([self.seed, _SYNTHETIC_STREAM + b, g]).integers(
-                0, self.tokenizer.vocab_size, T + 1, dtype=np.int32) for g in range(first, first + self.local_batch_size)])
+            rows = np.stack(
+                [
+                    np.random.default_rng([self.seed, _SYNTHETIC_STREAM + b, g]).integers(
+                        0, self.tokenizer.vocab_size, T + 1, dtype=np.int32
+                    )
+                    for g in range(first, first + self.local_batch_size)
+                ]
+            )
             return pack_rows(rows, -1)  # random tokens: no document boundaries, every target counts
         return read_rows(self.tokens, self.flags, self.global_rows(b), T, self.tokenizer.eos_id)
 
@@ -80,19 +101,29 @@ class EvalBatches:
         return self._cache
 
 
-def make_eval_batches(train_loader, eval_dataset: str | None, n_batches: int | None, *,
-                      cache_dir=None, text_field: str | None = None) -> EvalBatches:
+def make_eval_batches(
+    train_loader, eval_dataset: str | None, n_batches: int | None, *, cache_dir=None, text_field: str | None = None
+) -> EvalBatches:
     """The evaluation batches of a run: the training loader's held-out rows (it was made with
     `eval_split`), or `eval_dataset` (any `--dataset` spec) packed with the same tokenizer and seq_len."""
     L = train_loader
     text_field = str(text_field or getattr(L, "text_field", "text"))  # by default read as the training data is
     cache_dir = cache_dir if cache_dir is not None else getattr(L, "cache_dir", None)
-    common = dict(tokenizer=L.tokenizer, seq_len=L.seq_len, global_batch_size=L.global_batch_size, n_batches=n_batches,
-                  process_index=L.process_index, process_count=L.process_count, seed=L.seed)
+    common = dict(
+        tokenizer=L.tokenizer,
+        seq_len=L.seq_len,
+        global_batch_size=L.global_batch_size,
+        n_batches=n_batches,
+        process_index=L.process_index,
+        process_count=L.process_count,
+        seed=L.seed,
+    )
     if eval_dataset is None:
         if L.synthetic:
             return EvalBatches(None, None, **common)
-        return EvalBatches(L.tokens, L.held_out, source=f"--eval_split={L.eval_split}", flags=getattr(L, "flags", None), **common)
+        return EvalBatches(
+            L.tokens, L.held_out, source=f"--eval_split={L.eval_split}", flags=getattr(L, "flags", None), **common
+        )
     if is_synthetic(eval_dataset):
         return EvalBatches(None, None, **common)
     flags = None

@@ -61,16 +61,30 @@ def read_rows(tokens, flags, row_ids, seq_len: int, eos_id: int) -> dict[str, np
     return pack_chat_rows(rows, np.stack([flags[r * T : r * T + T + 1] for r in row_ids]))
 
 
-def chat_options(spec: str, text_field: str = "text", chat_template: str | None = None, loss_on: str | None = None,
-                 long_conversations: str | None = None) -> ChatOptions | None:
+def chat_options(
+    spec: str,
+    text_field: str = "text",
+    chat_template: str | None = None,
+    loss_on: str | None = None,
+    long_conversations: str | None = None,
+) -> ChatOptions | None:
     """The chat options for `spec` when it is chat data, else None; the chat flags given for plain text are
     one error naming the fix."""
     if is_synthetic(spec) or not is_chat_dataset(spec, text_field):
-        given = [f"--{n}" for n, v in (("chat_template", chat_template), ("long_conversations", long_conversations),
-                                       ("loss_on", None if loss_on == "all" else loss_on)) if v is not None]
+        given = [
+            f"--{n}"
+            for n, v in (
+                ("chat_template", chat_template),
+                ("long_conversations", long_conversations),
+                ("loss_on", None if loss_on == "all" else loss_on),
+            )
+            if v is not None
+        ]
         if given:
-            raise UsageError(f"{', '.join(given)} apply to chat data (JSONL lines with a \"messages\" list), and "
-                             f"{spec!r} is plain text; leave {'them' if len(given) > 1 else 'it'} out")
+            raise UsageError(
+                f"{', '.join(given)} apply to chat data (JSONL lines with a \"messages\" list), and "
+                f"{spec!r} is plain text; leave {'them' if len(given) > 1 else 'it'} out"
+            )
         return None
     return ChatOptions(chat_template, loss_on or LOSS_ON[0], long_conversations or "truncate")
 
@@ -99,19 +113,19 @@ def tokenize_corpus(
     corpus = open_corpus(spec, text_field)
     key = f"{_FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}"
     slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "corpus"
-    path = (
-        cache_root(cache_dir)
-        / "tokens"
-        / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
-    )
+    path = cache_root(cache_dir) / "tokens" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     console = console or Console(stderr=True)
     if path.is_file():
         try:
             return open_token_cache(path, dtype, tokenizer.vocab_size)
         except DamagedCache as e:
-            console.print(f"[meshlm] the token cache {path} {e}: tokenizing {corpus.spec} again",
-                          markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"[meshlm] the token cache {path} {e}: tokenizing {corpus.spec} again",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     pieces, n_docs, n_tokens = [], 0, 0
@@ -121,9 +135,7 @@ def tokenize_corpus(
                 pieces += [np.asarray(ids, dtype=dtype), eos]
                 n_tokens += len(ids) + 1
             n_docs += len(chunk)
-            status.update(
-                f"Tokenizing {corpus.spec}: {n_docs} documents, {n_tokens / 1e6:.1f}M tokens"
-            )
+            status.update(f"Tokenizing {corpus.spec}: {n_docs} documents, {n_tokens / 1e6:.1f}M tokens")
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
     def write(tmp):
@@ -167,13 +179,9 @@ class DataLoader:
         long_conversations: str | None = None,
     ):
         if seq_len < 1 or global_batch_size < 1:
-            raise UsageError(
-                f"seq_len ({seq_len}) and global batch size ({global_batch_size}) must be >= 1"
-            )
+            raise UsageError(f"seq_len ({seq_len}) and global batch size ({global_batch_size}) must be >= 1")
         if process_count < 1 or not 0 <= process_index < process_count:
-            raise UsageError(
-                f"process_index {process_index} is not in [0, process_count={process_count})"
-            )
+            raise UsageError(f"process_index {process_index} is not in [0, process_count={process_count})")
         if global_batch_size % process_count:
             raise UsageError(
                 f"global batch size {global_batch_size} is not divisible by the {process_count} "
@@ -198,7 +206,9 @@ class DataLoader:
             self.steps_per_epoch: int | None = None
             return
         if self.chat is not None:
-            self.chat_data = tokenize_chat(spec, tokenizer, seq_len, self.chat, cache_dir=cache_dir, text_field=text_field)
+            self.chat_data = tokenize_chat(
+                spec, tokenizer, seq_len, self.chat, cache_dir=cache_dir, text_field=text_field
+            )
             self.tokens, self.flags = self.chat_data.tokens, self.chat_data.flags
         else:
             self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
@@ -250,9 +260,7 @@ class DataLoader:
         T, V = self.seq_len, self.tokenizer.vocab_size
         rows = np.stack(
             [
-                np.random.default_rng([self.seed, step, int(g)]).integers(
-                    0, V, T + 1, dtype=np.int32
-                )
+                np.random.default_rng([self.seed, step, int(g)]).integers(0, V, T + 1, dtype=np.int32)
                 for g in global_rows
             ]
         )

@@ -42,8 +42,10 @@ class _FileGuard:
     def check(self) -> None:
         now = os.fstat(self.fd).st_size
         if now < self.size:
-            raise UsageError(f"the token cache {self.path} shrank from {self.size:,} to {now:,} bytes while this "
-                             "run was reading it; run again and it is rebuilt")
+            raise UsageError(
+                f"the token cache {self.path} shrank from {self.size:,} to {now:,} bytes while this "
+                "run was reading it; run again and it is rebuilt"
+            )
 
 
 class TokenStream(np.ndarray):
@@ -68,8 +70,10 @@ def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int) -> TokenSt
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            read_header = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(version)
             if read_header is None:
                 raise ValueError(f"version {version}")
             shape, fortran, got = read_header(f)
@@ -86,7 +90,7 @@ def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int) -> TokenSt
     tokens = np.memmap(path, dtype=want, mode="r", offset=offset, shape=shape).view(TokenStream)
     tokens._guard = _FileGuard(path, size)
     for start in range(0, shape[0], ID_CHECK_CHUNK):
-        top = int(tokens[start:start + ID_CHECK_CHUNK].max())
+        top = int(tokens[start : start + ID_CHECK_CHUNK].max())
         if top >= vocab_size:
             raise DamagedCache(f"holds id {top}, outside the tokenizer's vocabulary of {vocab_size}")
     return tokens

@@ -37,14 +37,10 @@ _FORMAT = "bytebpe-v1"  # bump to invalidate cached tokenizers when training cha
 class Tokenizer:
     """A Hugging Face `tokenizers.Tokenizer` with the few things meshlm needs."""
 
-    def __init__(
-        self, tok: tokenizers.Tokenizer, path: Path | None = None, eos_token: str = EOS_TOKEN
-    ):
+    def __init__(self, tok: tokenizers.Tokenizer, path: Path | None = None, eos_token: str = EOS_TOKEN):
         eos_id = tok.token_to_id(eos_token)
         if eos_id is None:
-            raise UsageError(
-                f"tokenizer has no {eos_token!r} token; use one with an end-of-text token"
-            )
+            raise UsageError(f"tokenizer has no {eos_token!r} token; use one with an end-of-text token")
         self._tok = tok
         self._as_text: tokenizers.Tokenizer | None = None  # a copy that encodes special tokens' text as plain text
         self.path = path  # the tokenizer.json this was loaded from or last saved to
@@ -61,9 +57,7 @@ class Tokenizer:
         """A hash of the full tokenizer definition: keys the token-id cache."""
         return hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
 
-    def encode(
-        self, text: str, add_special_tokens: bool = False, special_as_text: bool = False
-    ) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, special_as_text: bool = False) -> list[int]:
         """Token ids of `text`. `add_special_tokens` applies the tokenizer's template (e.g. BOS).
         Special tokens written in the text (say "<|endoftext|>") become their ids, unless
         `special_as_text`, which encodes them as plain text: training data uses that, so that
@@ -113,15 +107,12 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.is_file():
             raise UsageError(
-                f"tokenizer {str(spec)!r} not found: pass a tokenizer.json file or a directory "
-                f"holding one"
+                f"tokenizer {str(spec)!r} not found: pass a tokenizer.json file or a directory holding one"
             )
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
-            raise UsageError(
-                f"cannot load tokenizer {str(path)!r} ({e}); pass a Hugging Face tokenizer.json"
-            ) from e
+            raise UsageError(f"cannot load tokenizer {str(path)!r} ({e}); pass a Hugging Face tokenizer.json") from e
         return cls(tok, path, _find_eos(tok, path.parent))
 
     def __repr__(self) -> str:
@@ -169,9 +160,7 @@ def load_tokenizer(
         return Tokenizer.from_file(spec)
     if is_synthetic(dataset):
         return SyntheticTokenizer(vocab_size)
-    return train_tokenizer(
-        dataset, vocab_size, cache_dir=cache_dir, text_field=text_field, train_chars=train_chars
-    )
+    return train_tokenizer(dataset, vocab_size, cache_dir=cache_dir, text_field=text_field, train_chars=train_chars)
 
 
 def train_tokenizer(
@@ -206,9 +195,7 @@ def train_tokenizer(
     texts = _capped(corpus.documents(), train_chars)
     n_chars = sum(map(len, texts))
     if not n_chars:
-        raise UsageError(
-            f"dataset {dataset!r} holds no text to train a tokenizer on; point at text files"
-        )
+        raise UsageError(f"dataset {dataset!r} holds no text to train a tokenizer on; point at text files")
     start = time.perf_counter()
     what = f"vocab {vocab_size}, {n_chars / 1e6:.1f} MB of {corpus.spec}"
     with console.status(f"Training a byte-level BPE tokenizer ({what})..."):

@@ -21,8 +21,10 @@ from typing import Any, Literal
 
 from meshlm.errors import UsageError
 
-INSTALL = ("pip install -e '.[eval]' in meshlm's folder (.venv/bin/pip after `make`; lm-evaluation-harness, "
-           "lm_eval[api]==0.4.13)")
+INSTALL = (
+    "pip install -e '.[eval]' in meshlm's folder (.venv/bin/pip after `make`; lm-evaluation-harness, "
+    "lm_eval[api]==0.4.13)"
+)
 
 
 def require_lm_eval() -> None:
@@ -60,20 +62,32 @@ def find_tasks(names: list[str], include_path: str | None = None) -> tuple[Any, 
     missing = [n for n in wanted if not manager.match_tasks([n])]
     if missing:
         close = sorted({c for n in missing for c in difflib.get_close_matches(n, manager.all_tasks, n=5, cutoff=0.6)})
-        hint = f"; close names: {', '.join(close)}" if close else \
-            "; list them with `lm-eval ls tasks`, or give --include_path=FOLDER of task YAML files"
+        hint = (
+            f"; close names: {', '.join(close)}"
+            if close
+            else "; list them with `lm-eval ls tasks`, or give --include_path=FOLDER of task YAML files"
+        )
         raise UsageError(f"--tasks: no task named {', '.join(missing)}{hint}")
     out: list[str] = []
     for name in names:
-        for task in ([str(Path(name).resolve())] if _is_file_spec(name) else manager.match_tasks([name])):
+        for task in [str(Path(name).resolve())] if _is_file_spec(name) else manager.match_tasks([name]):
             if task not in out:
                 out.append(task)
     return manager, out
 
 
-def run_tasks(lm: Any, tasks: list[str], manager: Any, *, num_fewshot: int | None = None,
-              limit: float | None = None, log_samples: bool = False, seed: int = 1234,
-              model_name: str = "meshlm", output_path: str | Path | None = None) -> tuple[dict, Any]:
+def run_tasks(
+    lm: Any,
+    tasks: list[str],
+    manager: Any,
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    log_samples: bool = False,
+    seed: int = 1234,
+    model_name: str = "meshlm",
+    output_path: str | Path | None = None,
+) -> tuple[dict, Any]:
     """(results, lm-eval's EvaluationTracker for `write_results`): lm-eval's `simple_evaluate` on this
     model (an lm-eval LM such as meshlm.eval.lm.MeshLM). `model_name` names it in the results."""
     from lm_eval import simple_evaluate
@@ -82,17 +96,29 @@ def run_tasks(lm: Any, tasks: list[str], manager: Any, *, num_fewshot: int | Non
     tracker = EvaluationTracker(output_path=None if output_path is None else str(output_path))
     try:
         results = simple_evaluate(
-            model=lm, model_args={"pretrained": model_name}, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-            batch_size=getattr(lm, "batch_size", None), log_samples=log_samples, evaluation_tracker=tracker,
-            task_manager=manager, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed)
+            model=lm,
+            model_args={"pretrained": model_name},
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            batch_size=getattr(lm, "batch_size", None),
+            log_samples=log_samples,
+            evaluation_tracker=tracker,
+            task_manager=manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     except OSError as e:  # requests', huggingface_hub's and datasets' network errors are OSErrors
         if not _network_error(e):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--tasks: lm-eval could not download a task's data ({first}); run where the Hugging Face "
-                         "Hub is reachable, or with its datasets cached and HF_DATASETS_OFFLINE=1, or give local "
-                         "task files (--tasks=path/to/task.yaml or --include_path=FOLDER)") from None
+        raise UsageError(
+            f"--tasks: lm-eval could not download a task's data ({first}); run where the Hugging Face "
+            "Hub is reachable, or with its datasets cached and HF_DATASETS_OFFLINE=1, or give local "
+            "task files (--tasks=path/to/task.yaml or --include_path=FOLDER)"
+        ) from None
     if results is None:  # only ranks other than 0 of a distributed lm-eval run get None
         raise RuntimeError("lm-eval returned no results")
     return results, tracker
@@ -146,8 +172,14 @@ def summary_table(results: dict, column: str = "results"):
 
     table = Table(title="groups" if column == "groups" else None)
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
-        ("Task" if column == "results" else "Group", "left"), ("Version", "right"), ("Filter", "left"),
-        ("n-shot", "right"), ("Metric", "left"), ("Value", "right"), ("Stderr", "right"))
+        ("Task" if column == "results" else "Group", "left"),
+        ("Version", "right"),
+        ("Filter", "left"),
+        ("n-shot", "right"),
+        ("Metric", "left"),
+        ("Value", "right"),
+        ("Stderr", "right"),
+    )
     for name, justify in columns:
         table.add_column(name, justify=justify, overflow="fold")
     for task, metrics in results.get(column, {}).items():
@@ -158,8 +190,15 @@ def summary_table(results: dict, column: str = "results"):
             if key in ("alias", "name", "sample_len", "sample_count") or metric.endswith("_stderr"):
                 continue
             err = metrics.get(f"{metric}_stderr,{filt}")
-            table.add_row(label, str(version), filt, str(shots), metric, _number(metrics[key]),
-                          "" if err is None else f"± {_number(err)}")
+            table.add_row(
+                label,
+                str(version),
+                filt,
+                str(shots),
+                metric,
+                _number(metrics[key]),
+                "" if err is None else f"± {_number(err)}",
+            )
             label = version = shots = ""
     return table
 

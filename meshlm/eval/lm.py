@@ -49,12 +49,25 @@ class MeshLM(TemplateLM):
     `engine_batch` and `prefill_buckets` shape the generation engine [default: batch_size rounded up
     to the data-parallel size, and the engine's own buckets]."""
 
-    def __init__(self, model: Any = None, *, checkpoint: str | None = None, batch_size: Any = DEFAULT_BATCH_SIZE,
-                 context: int | None = None, max_length: int | None = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, engine_batch: int | None = None,
-                 prefill_buckets: tuple[int, ...] | None = None, add_bos_token: bool = False, seed: int = 1234,
-                 mesh_dim: str = "1,1,-1,1", dtype: str = "auto", step: int | None = None,
-                 tokenizer: str | None = None, **others: Any):
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        checkpoint: str | None = None,
+        batch_size: Any = DEFAULT_BATCH_SIZE,
+        context: int | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        engine_batch: int | None = None,
+        prefill_buckets: tuple[int, ...] | None = None,
+        add_bos_token: bool = False,
+        seed: int = 1234,
+        mesh_dim: str = "1,1,-1,1",
+        dtype: str = "auto",
+        step: int | None = None,
+        tokenizer: str | None = None,
+        **others: Any,
+    ):
         super().__init__()
         unknown = sorted(k for k, v in others.items() if k not in ("device", "max_batch_size") and v is not None)
         if unknown:  # lm-eval's own extras (device, max_batch_size) mean nothing on a mesh; anything else is a typo
@@ -64,8 +77,9 @@ class MeshLM(TemplateLM):
                 raise ValueError("give a LoadedModel or checkpoint=PATH")
             from meshlm.serve.loading import load_model
 
-            model, _ = load_model(checkpoint, mesh_dim=mesh_dim, dtype=dtype, max_seq_len=context, step=step,
-                                  tokenizer=tokenizer)
+            model, _ = load_model(
+                checkpoint, mesh_dim=mesh_dim, dtype=dtype, max_seq_len=context, step=step, tokenizer=tokenizer
+            )
         self.model, self.tokenizer = model, model.tokenizer
         self.batch_size = _batch_size(batch_size)
         self.context = int(context or min(model.cfg.max_seq_len, 2048))
@@ -118,8 +132,12 @@ class MeshLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
         for doc, (text,) in enumerate(req.args for req in requests):
-            for window in get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                                                    max_seq_len=self.max_length, context_len=1):
+            for window in get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            ):
                 windows.append((None, *make_disjoint_window(window)))
                 owner.append(doc)
         totals = [0.0] * len(requests)
@@ -134,9 +152,17 @@ class MeshLM(TemplateLM):
         prompts = []
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args
-            prompts.append(generation_request(
-                self.tok_encode(context), gen_kwargs, context=engine.max_seq_len, longest_prompt=engine.buckets[-1],
-                default_max_tokens=self.max_gen_toks, seed=self.seed + i, fallback_token=self.prefix_token_id))
+            prompts.append(
+                generation_request(
+                    self.tok_encode(context),
+                    gen_kwargs,
+                    context=engine.max_seq_len,
+                    longest_prompt=engine.buckets[-1],
+                    default_max_tokens=self.max_gen_toks,
+                    seed=self.seed + i,
+                    fallback_token=self.prefix_token_id,
+                )
+            )
         handles = [engine.submit(p) for p in prompts]  # all queued: the engine runs max_batch at once
         out = []
         try:
@@ -172,8 +198,9 @@ class MeshLM(TemplateLM):
             slots = self.engine_batch or -(-self.batch_size // data) * data
             self._scorer = None
             log.info("compiling the generation engine: %d slots, context %d", slots, self.context)
-            self.engine = Engine(self.model, max_batch=slots, max_seq_len=self.context,
-                                 prefill_buckets=self.prefill_buckets).start()
+            self.engine = Engine(
+                self.model, max_batch=slots, max_seq_len=self.context, prefill_buckets=self.prefill_buckets
+            ).start()
             self._scorer = self.engine.scorer()
         return self.engine
 

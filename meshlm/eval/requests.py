@@ -26,9 +26,10 @@ def scoring_sequence(context: Sequence[int], continuation: Sequence[int], max_le
     """(tokens to score, how many of their last tokens are the continuation). The context is cut from
     the left so that the forward takes at most `max_length` tokens; the continuation is never cut."""
     if len(continuation) > max_length:
-        raise ValueError(f"a continuation of {len(continuation)} tokens does not fit in the model's "
-                         f"{max_length}-token window")
-    whole = [*context, *continuation][-(max_length + 1):]
+        raise ValueError(
+            f"a continuation of {len(continuation)} tokens does not fit in the model's {max_length}-token window"
+        )
+    whole = [*context, *continuation][-(max_length + 1) :]
     return [int(t) for t in whole], len(continuation)
 
 
@@ -44,7 +45,7 @@ def length_batches(sequences: Sequence[Sequence[int]], batch_size: int) -> list[
     sequences of about one length (less padding, fewer compiled shapes) and a window too long for
     the devices fails at once rather than at the end."""
     order = sorted(range(len(sequences)), key=lambda i: (-len(sequences[i]), tuple(sequences[i])))
-    return [order[at:at + batch_size] for at in range(0, len(order), batch_size)]
+    return [order[at : at + batch_size] for at in range(0, len(order), batch_size)]
 
 
 def stop_strings(until: Any) -> tuple[str, ...]:
@@ -66,12 +67,24 @@ def sampling_params(kwargs: dict, seed: int | None) -> SamplingParams:
     temperature = (1.0 if do_sample else 0.0) if temperature is None else float(temperature)
     if not do_sample and "do_sample" in kwargs:
         temperature = 0.0
-    return SamplingParams(temperature=temperature, top_k=int(kwargs.get("top_k") or 0),
-                          top_p=float(kwargs.get("top_p") or 1.0), seed=seed if temperature > 0 else None)
+    return SamplingParams(
+        temperature=temperature,
+        top_k=int(kwargs.get("top_k") or 0),
+        top_p=float(kwargs.get("top_p") or 1.0),
+        seed=seed if temperature > 0 else None,
+    )
 
 
-def generation_request(prompt: Sequence[int], gen_kwargs: dict, *, context: int, longest_prompt: int,
-                       default_max_tokens: int, seed: int | None, fallback_token: int) -> GenerationRequest:
+def generation_request(
+    prompt: Sequence[int],
+    gen_kwargs: dict,
+    *,
+    context: int,
+    longest_prompt: int,
+    default_max_tokens: int,
+    seed: int | None,
+    fallback_token: int,
+) -> GenerationRequest:
     """The engine request for one `generate_until` request: at most `max_gen_toks` new tokens (the
     task's, else `default_max_tokens`), the prompt cut from the left to leave them room in `context`
     tokens (and to at most `longest_prompt`), stopping at `until`. An empty prompt is `fallback_token`."""
@@ -83,5 +96,11 @@ def generation_request(prompt: Sequence[int], gen_kwargs: dict, *, context: int,
     return GenerationRequest(ids, max_tokens, sampling_params(kwargs, seed), stop_strings(kwargs.get("until")))
 
 
-__all__ = ["scoring_sequence", "continuation_score", "length_batches", "stop_strings", "sampling_params",
-           "generation_request"]
+__all__ = [
+    "scoring_sequence",
+    "continuation_score",
+    "length_batches",
+    "stop_strings",
+    "sampling_params",
+    "generation_request",
+]

@@ -48,9 +48,19 @@ def param_rows(placement: Placement) -> list[dict]:
     grads = flatten(placement.gradient_specs)
     opts = flatten(placement.opt_specs if placement.opt_specs is not None else placement.specs)
     sources = placement.sources or {}
-    return [dict(path=p, shape=tuple(s.shape), dtype=str(s.dtype), spec=specs[p], grad_spec=grads[p],
-                 opt_spec=opts[p], bytes=_local_bytes(s.shape, s.dtype, specs[p], placement.mesh),
-                 source=sources.get(p, "")) for p, s in shapes.items()]
+    return [
+        dict(
+            path=p,
+            shape=tuple(s.shape),
+            dtype=str(s.dtype),
+            spec=specs[p],
+            grad_spec=grads[p],
+            opt_spec=opts[p],
+            bytes=_local_bytes(s.shape, s.dtype, specs[p], placement.mesh),
+            source=sources.get(p, ""),
+        )
+        for p, s in shapes.items()
+    ]
 
 
 # -------------------------------------------------------------------------------- memory (compiled)
@@ -65,7 +75,9 @@ def n_params(placement: Placement, axis: str | None = None) -> int:
     def over(spec) -> bool:
         return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
 
-    return sum(math.prod(s.shape) // (size if axis and over(specs[p]) else 1) for p, s in flatten(placement.shapes).items())
+    return sum(
+        math.prod(s.shape) // (size if axis and over(specs[p]) else 1) for p, s in flatten(placement.shapes).items()
+    )
 
 
 def data_size(placement: Placement) -> int:
@@ -85,11 +97,18 @@ def state_memory(placement: Placement, compiled_step, compiled_grads, batch: dic
     formula for the same stage. With a pp axis Ψ is one stage's parameters."""
     batch_bytes = sum(_local_bytes(b.shape, b.dtype, b.sharding.spec, placement.mesh) for b in batch.values())
     state = compiled_step.memory_analysis().argument_size_in_bytes - batch_bytes
-    grads = compiled_grads.memory_analysis().output_size_in_bytes if compiled_grads is not None else grad_bytes(placement)
+    grads = (
+        compiled_grads.memory_analysis().output_size_in_bytes if compiled_grads is not None else grad_bytes(placement)
+    )
     pp = "pp" if placement.mesh.shape.get("pp", 1) > 1 else None
-    out: dict[str, Any] = {"params+opt_state": int(state), "grads": int(grads), "total": int(state + grads),
-           "grads_from": "compiled" if compiled_grads is not None else "layouts",
-           "n_params": n_params(placement, pp), "data_devices": data_size(placement)}
+    out: dict[str, Any] = {
+        "params+opt_state": int(state),
+        "grads": int(grads),
+        "total": int(state + grads),
+        "grads_from": "compiled" if compiled_grads is not None else "layouts",
+        "n_params": n_params(placement, pp),
+        "data_devices": data_size(placement),
+    }
     stage = placement.strategy.zero_stage
     if stage is not None:
         itemsize = np.dtype(jax.tree.leaves(placement.shapes)[0].dtype).itemsize
@@ -124,7 +143,8 @@ def collectives(text: str, placement: Placement) -> list[CollectiveRow]:
     for c in hlo.on_mesh(text, placement.mesh):
         params = sorted({p for s in c.result_shapes for p in by_shape.get(s, [])})
         where = _boundary_name(c.op_name, [g.key for g in placement.groups]) or (
-            "parameter " + " | ".join(params) if params else "")
+            "parameter " + " | ".join(params) if params else ""
+        )
         rows.append(CollectiveRow(c.kind, c.axes, c.payload_bytes, c.count, where))
     return rows
 
@@ -158,14 +178,27 @@ def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict
     x = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(placement.cfg.dtype))
     logical = axes.STREAM
     for a, b in zip(placement.groups, placement.groups[1:]):
-        specs = [sharding.logical_to_spec(logical, g.strategy.activations, placement.mesh, g.strategy.shared) for g in (a, b)]
+        specs = [
+            sharding.logical_to_spec(logical, g.strategy.activations, placement.mesh, g.strategy.shared) for g in (a, b)
+        ]
         moves = {}
         for direction, (src, dst) in (("forward", specs), ("backward", specs[::-1])):
-            move = jax.jit(lambda v: v, in_shardings=NamedSharding(placement.mesh, src),
-                           out_shardings=NamedSharding(placement.mesh, dst))
+            move = jax.jit(
+                lambda v: v,
+                in_shardings=NamedSharding(placement.mesh, src),
+                out_shardings=NamedSharding(placement.mesh, dst),
+            )
             moves[direction] = collectives(move.lower(x).compile().as_text() or "", placement)
-        out.append(dict(before=f"layers {a.key} ({a.strategy.name})", after=f"layers {b.key} ({b.strategy.name})",
-                        shape=shape, spec_before=specs[0], spec_after=specs[1], **moves))
+        out.append(
+            dict(
+                before=f"layers {a.key} ({a.strategy.name})",
+                after=f"layers {b.key} ({b.strategy.name})",
+                shape=shape,
+                spec_before=specs[0],
+                spec_after=specs[1],
+                **moves,
+            )
+        )
     return out
 
 
@@ -177,8 +210,10 @@ def _tensor(placement: Placement, path: str) -> tuple[tuple[int, ...], P]:
     if path not in shapes:
         close = closest(path, shapes)
         hint = f"did you mean --tensor={close}? " if close else ""
-        raise UsageError(f"--tensor={path}: no such parameter; {hint}choose one of {', '.join(list(shapes)[:6])}, ... "
-                         "(the paths `meshlm explain` lists)")
+        raise UsageError(
+            f"--tensor={path}: no such parameter; {hint}choose one of {', '.join(list(shapes)[:6])}, ... "
+            "(the paths `meshlm explain` lists)"
+        )
     return tuple(shapes[path].shape), specs[path]
 
 
@@ -189,7 +224,9 @@ def layout(placement: Placement, path: str) -> dict:
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     sharded = [d for d, e in enumerate(entries) if e is not None]
     # The sharded dimensions, then the last ones (a stacked layers axis in front is the least telling).
-    dims = sorted((sharded + [d for d in reversed(range(len(shape))) if d not in sharded])[:2]) if len(shape) >= 2 else [0]
+    dims = (
+        sorted((sharded + [d for d in reversed(range(len(shape))) if d not in sharded])[:2]) if len(shape) >= 2 else [0]
+    )
     index_map: Mapping[Any, Any] = NamedSharding(placement.mesh, spec).devices_indices_map(shape)
     blocks: dict[tuple, list[int]] = {}
     for device, index in index_map.items():
@@ -207,8 +244,11 @@ def picture(placement: Placement, path: str, cell: int = 14) -> str:
     label = lambda ids: ("dev " if len(ids) == 1 else "devs ") + ",".join(map(str, sorted(ids)))  # noqa: E731
     width = max([cell] + [len(label(v)) + 2 for v in g["blocks"].values()])
     bar = "+" + "+".join("-" * width for _ in g["cols"]) + "+"
-    lines = [f"{path} {g['shape']} {g['spec']}: rows = dim {g['dims'][0]}"
-             + (f", columns = dim {g['dims'][1]}" if len(g["dims"]) == 2 else ""), bar]
+    lines = [
+        f"{path} {g['shape']} {g['spec']}: rows = dim {g['dims'][0]}"
+        + (f", columns = dim {g['dims'][1]}" if len(g["dims"]) == 2 else ""),
+        bar,
+    ]
     for r in g["rows"]:
         cells = []
         for c in g["cols"]:
@@ -238,8 +278,9 @@ def write_png(placement: Placement, path: str, out: str | Path) -> Path:
         c = key[1] if len(key) == 2 else (0, 1)
         colour = colours.setdefault(tuple(sorted(ids)), cmap(len(colours) % 20))
         ax.add_patch(Rectangle((c[0], r[0]), c[1] - c[0], r[1] - r[0], facecolor=colour, edgecolor="black"))
-        ax.text((c[0] + c[1]) / 2, (r[0] + r[1]) / 2, ",".join(map(str, sorted(ids))), ha="center", va="center",
-                fontsize=8)
+        ax.text(
+            (c[0] + c[1]) / 2, (r[0] + r[1]) / 2, ",".join(map(str, sorted(ids))), ha="center", va="center", fontsize=8
+        )
     height = g["shape"][g["dims"][0]]
     width = g["shape"][g["dims"][1]] if len(g["dims"]) == 2 else 1
     ax.set_xlim(0, width)

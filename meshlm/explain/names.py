@@ -24,16 +24,30 @@ _PROJECTIONS = {
     "btm,me->bte": "mlp down projection (down)",
     "bte,ev->btv": "lm_head",
 }
-EINSUMS = {spec: what for projection, what in _PROJECTIONS.items()
-           for spec in (projection, *gradient_specs(projection))}
+EINSUMS = {
+    spec: what for projection, what in _PROJECTIONS.items() for spec in (projection, *gradient_specs(projection))
+}
 # Primitives without an einsum of their own, by where they sit (inside the layer scan or outside). Every
 # projection is a named einsum above, so a bare matmul inside the layers is attention's own (the
 # kernels' score and value products, whose einsums are not listed).
-IN_LAYERS = {"dot_general": "attention matmuls (scores, values)", "mul": "norm scales", "reduce_sum": "norm / attention sums",
-             "reduce_max": "attention softmax", "convert_element_type": "weights cast to the compute dtype"}
-OUTSIDE = {"dot_general": "lm_head", "mul": "final norm scale", "gather": "embed lookup", "scatter-add": "embed",
-           "reduce_max": "loss softmax", "reduce_sum": "loss sums", "convert_element_type": "weights cast to the compute dtype",
-           "sharding_constraint": "layout change", "take_along_axis": "loss (target logits)"}
+IN_LAYERS = {
+    "dot_general": "attention matmuls (scores, values)",
+    "mul": "norm scales",
+    "reduce_sum": "norm / attention sums",
+    "reduce_max": "attention softmax",
+    "convert_element_type": "weights cast to the compute dtype",
+}
+OUTSIDE = {
+    "dot_general": "lm_head",
+    "mul": "final norm scale",
+    "gather": "embed lookup",
+    "scatter-add": "embed",
+    "reduce_max": "loss softmax",
+    "reduce_sum": "loss sums",
+    "convert_element_type": "weights cast to the compute dtype",
+    "sharding_constraint": "layout change",
+    "take_along_axis": "loss (target logits)",
+}
 # Outside the differentiated function, by the primitive: the explicit collectives of ZeRO stages 0-2 and
 # of the pipeline's schedule (meshlm.train.step, meshlm.ops.pipeline), and the optimizer's update.
 _SCATTERED = "after the backward: gradients reduce-scattered over the data axes (ZeRO)"
@@ -54,7 +68,7 @@ def _one(name: str) -> str:
     found = TRANSFORMS.search(name)
     if found is None:  # outside the differentiated function
         return AFTER.get(name.rsplit("/", 1)[-1], "after the backward: gradient norm and logged metrics")
-    name = name[found.start():]
+    name = name[found.start() :]
     backward = name.startswith("transpose(")
     if scope := re.search(r"boundary \d+-\d+>\d+-\d+", name):  # the layout change between two layer ranges
         return ("backward of " if backward else "forward of ") + scope.group(0)

@@ -45,7 +45,9 @@ def schedule_picture(schedule: Schedule, max_width: int = 160) -> str:
             return ""
         return f"{letter}{i}" + (f".{k // pp}" if V > 1 else "")
 
-    cells = [[part("F", schedule.fwd[t, r]) + part("B", schedule.bwd[t, r]) or "·" for t in range(T)] for r in range(pp)]
+    cells = [
+        [part("F", schedule.fwd[t, r]) + part("B", schedule.bwd[t, r]) or "·" for t in range(T)] for r in range(pp)
+    ]
     width = max(len(c) for row in cells for c in row + [str(T - 1)])
     label = len(f"rank {pp - 1}")
     per_band = max(1, (max_width - label) // (width + 1))
@@ -60,11 +62,22 @@ def schedule_picture(schedule: Schedule, max_width: int = 160) -> str:
 
 def describe(schedule: Schedule) -> dict:
     fwd, bwd = clock_counts(schedule)
-    return dict(name=schedule.name, pp=schedule.pp, virtual_stages=schedule.virtual, stages=schedule.pp * schedule.virtual,
-                microbatches=schedule.microbatches, clocks=schedule.clocks, forward_clocks=fwd, backward_clocks=bwd,
-                bubble=schedule.bubble(), theoretical_bubble=schedule.theoretical_bubble(),
-                act_slots=schedule.act_slots, cot_slots=schedule.cot_slots,
-                ranks=rank_load(schedule), picture=schedule_picture(schedule))
+    return dict(
+        name=schedule.name,
+        pp=schedule.pp,
+        virtual_stages=schedule.virtual,
+        stages=schedule.pp * schedule.virtual,
+        microbatches=schedule.microbatches,
+        clocks=schedule.clocks,
+        forward_clocks=fwd,
+        backward_clocks=bwd,
+        bubble=schedule.bubble(),
+        theoretical_bubble=schedule.theoretical_bubble(),
+        act_slots=schedule.act_slots,
+        cot_slots=schedule.cot_slots,
+        ranks=rank_load(schedule),
+        picture=schedule_picture(schedule),
+    )
 
 
 # ---------------------------------------------------------------------------------- the stage layout
@@ -98,13 +111,18 @@ def stage_layout(placement: Placement, schedule: Schedule) -> list[dict]:
     rows = []
     for r in range(pp):
         stages = [v * pp + r for v in range(V)]
-        row = dict(rank=r, devices=_rank_devices(placement.mesh, r),
-                   layers_stored=_span(*_held_range(placement, layer_path, r)),
-                   stages=[dict(stage=k, layers=_span(k * L // S, (k + 1) * L // S)) for k in stages])
+        row = dict(
+            rank=r,
+            devices=_rank_devices(placement.mesh, r),
+            layers_stored=_span(*_held_range(placement, layer_path, r)),
+            stages=[dict(stage=k, layers=_span(k * L // S, (k + 1) * L // S)) for k in stages],
+        )
         row["embed"] = ("whole (replicated over pp)" if replicated("embed") else "a pp shard") + (
-            "; its lookup is stage 0's input" if r == 0 else "; lookup computed, discarded")
+            "; its lookup is stage 0's input" if r == 0 else "; lookup computed, discarded"
+        )
         row["head"] = ("whole (replicated over pp)" if all(map(replicated, head)) else "pp shards") + (
-            f"; runs stage {S - 1}'s head and loss" if (S - 1) % pp == r else "; computed, discarded")
+            f"; runs stage {S - 1}'s head and loss" if (S - 1) % pp == r else "; computed, discarded"
+        )
         rows.append(row)
     return rows
 
@@ -135,11 +153,14 @@ def stage_memory(compiled_step, abstract_state, batch: dict, microbatch_bytes: i
     split = state_split(abstract_state)
     return {
         "params+opt_state": int(ma.argument_size_in_bytes - batch_bytes),
-        "state_layers": split["layers"], "state_embedding+head": split["embedding+head"],
-        "batch": int(batch_bytes), "temporaries": int(ma.temp_size_in_bytes),
+        "state_layers": split["layers"],
+        "state_embedding+head": split["embedding+head"],
+        "batch": int(batch_bytes),
+        "temporaries": int(ma.temp_size_in_bytes),
         "microbatch_bytes": mb,
         # the buffers every rank allocates: the slots of the most loaded rank plus one trash slot each
-        "stash_buffer": (schedule.act_slots + 1) * mb, "cotangent_buffer": (schedule.cot_slots + 1) * mb,
+        "stash_buffer": (schedule.act_slots + 1) * mb,
+        "cotangent_buffer": (schedule.cot_slots + 1) * mb,
         "stash_by_rank": [r["stash"] * mb for r in rank_load(schedule)],
         "in_flight_by_rank": [r["in_flight"] * mb for r in rank_load(schedule)],
     }
@@ -172,12 +193,21 @@ def transfers(rows: list[CollectiveRow], schedule: Schedule, microbatch_shape: t
     full = math.prod(microbatch_shape) * itemsize
     loads = rank_load(schedule)
     return {
-        "compiled": {"ops": len(mine), "count": sum(c.count for c in mine), "bytes": sum(c.total_bytes for c in mine),
-                     "payload_bytes": sizes},
-        "expected": {"activations": fwd, "cotangents": bwd, "count": fwd + bwd,
-                     "bytes": (fwd + bwd) * per if per else None},
-        "microbatch_shape": list(microbatch_shape), "microbatch_bytes": full, "per_device_bytes": per,
+        "compiled": {
+            "ops": len(mine),
+            "count": sum(c.count for c in mine),
+            "bytes": sum(c.total_bytes for c in mine),
+            "payload_bytes": sizes,
+        },
+        "expected": {
+            "activations": fwd,
+            "cotangents": bwd,
+            "count": fwd + bwd,
+            "bytes": (fwd + bwd) * per if per else None,
+        },
+        "microbatch_shape": list(microbatch_shape),
+        "microbatch_bytes": full,
+        "per_device_bytes": per,
         "relayout_bytes": sum(c.total_bytes for c in relayout),
         "useful_by_rank": [dict(rank=r["rank"], activations=r["acts_sent"], cotangents=r["cots_sent"]) for r in loads],
     }
-

@@ -41,8 +41,13 @@ def compile_step(job: Job, cfg: TrainConfig) -> CompiledStep:
     return CompiledStep(step, None, state, batch)
 
 
-def explain(cfg: TrainConfig, tensor: str | None = None, png: str | None = None, job: Job | None = None,
-            compiled: CompiledStep | None = None) -> dict:
+def explain(
+    cfg: TrainConfig,
+    tensor: str | None = None,
+    png: str | None = None,
+    job: Job | None = None,
+    compiled: CompiledStep | None = None,
+) -> dict:
     """Everything `meshlm explain` shows, as one dict (specs and shapes as text). `job` and `compiled`
     are resolved and compiled here unless given."""
     import jax
@@ -60,24 +65,47 @@ def explain(cfg: TrainConfig, tensor: str | None = None, png: str | None = None,
     tensor = tensor or next((r["path"] for r in rows if r["path"].endswith("mlp/gate")), rows[0]["path"])
     found = A.collectives(step.as_text(), placement)
     report = {
-        "mesh_dim": str(job.shape), "pp": job.shape.pp, "platform": jax.devices()[0].platform, "strategy": job.strategy.name,
+        "mesh_dim": str(job.shape),
+        "pp": job.shape.pp,
+        "platform": jax.devices()[0].platform,
+        "strategy": job.strategy.name,
         "groups": [{"layers": g.key, "strategy": g.strategy.name} for g in placement.groups],
-        "parameters": [{**r, "shape": list(r["shape"]), **{k: str(r[k]) for k in ("spec", "grad_spec", "opt_spec")}}
-                       for r in rows],
+        "parameters": [
+            {**r, "shape": list(r["shape"]), **{k: str(r[k]) for k in ("spec", "grad_spec", "opt_spec")}} for r in rows
+        ],
         "memory": A.state_memory(placement, step, compiled.grads, compiled.batch),
-        "collectives": [dict(kind=c.kind, axes=list(c.axes), payload_bytes=c.payload_bytes, count=c.count,
-                             total_bytes=c.total_bytes, where=readable(c.where), op_name=c.where, role=PL.role(c))
-                        for c in found],
-        "boundaries": [{**b, "spec_before": str(b["spec_before"]), "spec_after": str(b["spec_after"]),
-                        "forward": [c.__dict__ for c in b["forward"]], "backward": [c.__dict__ for c in b["backward"]]}
-                       for b in A.boundaries(placement, cfg.batch_size // cfg.grad_accum, cfg.seq_len)],
-        "tensor": tensor, "picture": A.picture(placement, tensor),
+        "collectives": [
+            dict(
+                kind=c.kind,
+                axes=list(c.axes),
+                payload_bytes=c.payload_bytes,
+                count=c.count,
+                total_bytes=c.total_bytes,
+                where=readable(c.where),
+                op_name=c.where,
+                role=PL.role(c),
+            )
+            for c in found
+        ],
+        "boundaries": [
+            {
+                **b,
+                "spec_before": str(b["spec_before"]),
+                "spec_after": str(b["spec_after"]),
+                "forward": [c.__dict__ for c in b["forward"]],
+                "backward": [c.__dict__ for c in b["backward"]],
+            }
+            for b in A.boundaries(placement, cfg.batch_size // cfg.grad_accum, cfg.seq_len)
+        ],
+        "tensor": tensor,
+        "picture": A.picture(placement, tensor),
     }
     if pipeline is not None:
         mb_shape = (cfg.batch_size // pipeline.microbatches, cfg.seq_len, job.model.d_model)
         moves = PL.transfers(found, pipeline, mb_shape, np.dtype(job.model.dtype).itemsize)
         report["pipeline"] = {
-            "schedule": PL.describe(pipeline), "stages": PL.stage_layout(placement, pipeline),
+            "schedule": PL.describe(pipeline),
+            "stages": PL.stage_layout(placement, pipeline),
             "memory": PL.stage_memory(step, compiled.state, compiled.batch, moves["per_device_bytes"], pipeline),
             "transfers": moves,
         }

@@ -50,12 +50,16 @@ def target_devices(n: int, hardware: str = "cpu") -> tuple[list[Any], str]:
         import os
 
         if importlib.util.find_spec("libtpu") is None:
-            raise UsageError(f"--verify with --hardware={hardware} compiles for the TPU topology through libtpu, "
-                             f"which is not installed: pip install -e '.[tpu]' in meshlm's folder (or verify with --hardware=cpu)")
+            raise UsageError(
+                f"--verify with --hardware={hardware} compiles for the TPU topology through libtpu, "
+                f"which is not installed: pip install -e '.[tpu]' in meshlm's folder (or verify with --hardware=cpu)"
+            )
         try:
             from jax.experimental import topologies
 
-            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: share libtpu with other processes
+            os.environ.setdefault(
+                "ALLOW_MULTIPLE_LIBTPU_LOAD", "1"
+            )  # compiling only: share libtpu with other processes
 
             name = _topology_name(*_TPU_TOPOLOGY[hardware], n)
             if name:
@@ -96,8 +100,12 @@ def compile_placed(job: Job, shape: MeshShape, devices: list[Any]):
     opt_cfg = OptimizerConfig()
     optimizer = make_optimizer(opt_cfg)
     rows = sharding.batch_sharding(mesh, placement.strategy)
-    batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=rows) for k in BATCH_KEYS}
+    batch = {
+        k: jax.ShapeDtypeStruct(
+            (job.batch_size, job.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows
+        )
+        for k in BATCH_KEYS
+    }
     pipeline = schedule_of(job.pipeline, shape.pp) if shape.pp > 1 else None
     step: Any = make_train_step(placement, optimizer, lr_schedule(opt_cfg), job.grad_accum, pipeline)
     return step.lower(abstract_state(placement, optimizer), batch).compile(), placement
@@ -107,8 +115,11 @@ def stage_transfer_bytes(compiled, placement) -> int:
     """Bytes per device per step of the compiled step's stage transfers: the pipeline's ppermutes, which
     XLA compiles to collective-permutes between pp ranks (the ring attention's run over sp inside a
     stage, and the relayout of the layers onto virtual stages is no ppermute: both are left out)."""
-    return sum(c.total_bytes for c in hlo.on_mesh(compiled.as_text(), placement.mesh)
-               if c.kind == "collective-permute" and "pp" in c.axes and c.op_name.endswith("ppermute"))
+    return sum(
+        c.total_bytes
+        for c in hlo.on_mesh(compiled.as_text(), placement.mesh)
+        if c.kind == "collective-permute" and "pp" in c.axes and c.op_name.endswith("ppermute")
+    )
 
 
 def measure(compiled) -> dict:
@@ -146,8 +157,9 @@ def verify(job: Job, plans: list[Plan], k: int, hardware: str = "cpu") -> str:
         }
         if plan.pipeline is not None:
             got["stage_transfer_bytes"] = stage_transfer_bytes(compiled, placement)
-            got["error_percent"]["stage_transfers"] = error_percent(plan.pipeline.transfer_bytes,
-                                                                    got["stage_transfer_bytes"])
+            got["error_percent"]["stage_transfers"] = error_percent(
+                plan.pipeline.transfer_bytes, got["stage_transfer_bytes"]
+            )
         got["compiled_for"] = where
         plan.compiled = got
     return where

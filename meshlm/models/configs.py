@@ -85,7 +85,7 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.n_heads // self.n_kv_heads
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def num_params(self, include_embedding: bool = True) -> int:
@@ -106,24 +106,47 @@ PRESETS: dict[str, ModelConfig] = {
     # For unit tests: divisible by 8 everywhere so every 8-device mesh is valid.
     "test": ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, mlp_dim=128, max_seq_len=512),
     # The benchmark shape, and what `make run` trains.
-    "tiny": ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=768, max_seq_len=2048),
+    "tiny": ModelConfig(
+        vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=768, max_seq_len=2048
+    ),
     "small": ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, mlp_dim=2048),
     # ~1.1B, the shape used for single-accelerator throughput figures.
-    "1b": ModelConfig(vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632, max_seq_len=2048),
+    "1b": ModelConfig(
+        vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632, max_seq_len=2048
+    ),
     "llama2-7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_dim=11008),
     "llama2-13b": ModelConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40, mlp_dim=13824),
     "llama2-70b": ModelConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, mlp_dim=28672),
     "llama3-8b": ModelConfig(
-        vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14336,
-        max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        mlp_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
     "llama3-70b": ModelConfig(
-        vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, mlp_dim=28672,
-        max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        mlp_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
     "llama3.2-1b": ModelConfig(
-        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, mlp_dim=8192,
-        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        mlp_dim=8192,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        tie_embeddings=True,
         rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
     ),
 }
@@ -185,11 +208,15 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
             hf["rope_scaling"] = rope
     if {"model", "train", "mesh_dim"} <= set(hf):  # the config.json `meshlm train` writes in its run folder
         folder = Path(where).parent if Path(where).name == "config.json" else Path(where)
-        raise UsageError(f"{where} is a meshlm run's settings, not a model config; start from its weights with "
-                         f"--init_from={folder}, or continue the run with --output_dir={folder}")
+        raise UsageError(
+            f"{where} is a meshlm run's settings, not a model config; start from its weights with "
+            f"--init_from={folder}, or continue the run with --output_dir={folder}"
+        )
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
-        raise UsageError(f"{where} describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported")
+        raise UsageError(
+            f"{where} describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported"
+        )
     try:
         n_heads = hf["num_attention_heads"]
         scaling = None
@@ -199,7 +226,9 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
             if kind != "llama3":
                 raise UsageError(f"{where}: rope_scaling type {kind!r} is not supported; only 'llama3' is")
             scaling = RopeScaling(
-                float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0)),
+                float(rs["factor"]),
+                float(rs.get("low_freq_factor", 1.0)),
+                float(rs.get("high_freq_factor", 4.0)),
                 int(rs.get("original_max_position_embeddings", 8192)),
             )
         return ModelConfig(
@@ -265,9 +294,7 @@ def resolve_model(name_or_path: str, overrides: dict[str, Any] | None = None) ->
             raise UsageError(f"--model={name_or_path}: no such file {cfg_path}")
         base = read_hf_config(cfg_path)
     else:
-        raise UsageError(
-            f"--model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path"
-        )
+        raise UsageError(f"--model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path")
     return apply_overrides(base, overrides)
 
 
@@ -300,6 +327,14 @@ def describe(cfg: ModelConfig) -> str:
 
 
 __all__ = [
-    "ModelConfig", "RopeScaling", "PRESETS", "resolve_model", "apply_overrides", "from_hf_config", "read_hf_config",
-    "to_hf_config", "describe", "count_params",
+    "ModelConfig",
+    "RopeScaling",
+    "PRESETS",
+    "resolve_model",
+    "apply_overrides",
+    "from_hf_config",
+    "read_hf_config",
+    "to_hf_config",
+    "describe",
+    "count_params",
 ]

@@ -27,7 +27,8 @@ from meshlm.backends import traced_profile
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.loss import head_loss_sums, project
-from meshlm.models.remat import POLICIES as REMAT_NAMES, checkpoint_policy
+from meshlm.models.remat import POLICIES as REMAT_NAMES
+from meshlm.models.remat import checkpoint_policy
 from meshlm.ops import kernels
 from meshlm.ops.decode import decode_attention
 from meshlm.ops.linear import linear

@@ -63,7 +63,7 @@ def canonical_path(path: str, placement: Placement) -> str:
     """A placement path without its layer-group key: layers/0-1/attn/wq -> layers/attn/wq."""
     for g in placement.groups:
         if path.startswith(f"layers/{g.key}/"):
-            return "layers/" + path[len(f"layers/{g.key}/"):]
+            return "layers/" + path[len(f"layers/{g.key}/") :]
     return path
 
 
@@ -78,13 +78,17 @@ def find_targets(placement: Placement, spec: LoraSpec) -> dict[str, int]:
             continue
         name = canon.rsplit("/", 1)[-1]
         if name not in IN_AXES:
-            raise UsageError(f"--lora_targets={spec.targets!r} matches {canon}, which is not a projection; match only "
-                             f"{', '.join(IN_AXES)} (e.g. the default {DEFAULT_TARGETS!r})")
+            raise UsageError(
+                f"--lora_targets={spec.targets!r} matches {canon}, which is not a projection; match only "
+                f"{', '.join(IN_AXES)} (e.g. the default {DEFAULT_TARGETS!r})"
+            )
         out[path] = IN_AXES[name]
     if not out:
         canon = sorted({canonical_path(p, placement) for p in paths})
-        raise UsageError(f"--lora_targets={spec.targets!r} matches no parameter; the paths look like "
-                         f"{', '.join(c for c in canon if c.rsplit('/', 1)[-1] in IN_AXES)}")
+        raise UsageError(
+            f"--lora_targets={spec.targets!r} matches no parameter; the paths look like "
+            f"{', '.join(c for c in canon if c.rsplit('/', 1)[-1] in IN_AXES)}"
+        )
     return out
 
 
@@ -160,11 +164,20 @@ class LoraPlacement:
     def loss_sums(self, placement: Placement, base: Any, adapters: Any, batch: dict):
         """`meshlm.train.step.loss_sums` with adapters: the embedding and head weights merged up front, each
         layer's inside the layer scan. `placement` is `self.base` or a variant of it (same tree)."""
-        top = merge_tree({k: v for k, v in base.items() if k != "layers"},
-                         {k: v for k, v in adapters.items() if k != "layers"}, self.spec.scale)
+        top = merge_tree(
+            {k: v for k, v in base.items() if k != "layers"},
+            {k: v for k, v in adapters.items() if k != "layers"},
+            self.spec.scale,
+        )
         params = {**top, "layers": base["layers"]}
-        x = placement.stream(params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                             extra=adapters.get("layers"), adapt=lambda w, e: merge_tree(w, e, self.spec.scale))
+        x = placement.stream(
+            params,
+            batch["inputs"],
+            batch["positions"],
+            batch["segment_ids"],
+            extra=adapters.get("layers"),
+            adapt=lambda w, e: merge_tree(w, e, self.spec.scale),
+        )
         with sharding.activate(placement.mesh, placement.strategy):
             return placement.structure.head_loss(x, batch["targets"], batch["loss_mask"], params)
 
@@ -181,8 +194,11 @@ def merge_tree(base: Any, adapters: Any, scale: float) -> Any:
         return base
     out = dict(base)
     for key, node in adapters.items():
-        out[key] = merged_weight(base[key], node["a"], node["b"], scale) if _is_adapter(node) else \
-            merge_tree(base[key], node, scale)
+        out[key] = (
+            merged_weight(base[key], node["a"], node["b"], scale)
+            if _is_adapter(node)
+            else merge_tree(base[key], node, scale)
+        )
     return out
 
 
@@ -196,7 +212,7 @@ def merged_weight(w, a, b, scale: float):
     else:
         n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
         letters = "abcdefghijklmnopq"
-        L, I, O = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
+        L, I, O = letters[:lead], letters[lead : lead + n_in], letters[lead + n_in : lead + n_in + n_out]
         delta = (np if isinstance(a, np.ndarray) else jnp).einsum(f"{L}{I}z,{L}z{O}->{L}{I}{O}", a, b)
     return w.astype(a.dtype) + scale * delta
 
@@ -205,8 +221,10 @@ def place_lora(placement: Placement, spec: LoraSpec) -> LoraPlacement:
     """Find the targeted weights and lay out their adapters by each weight's strategy table (the same
     tables as the weights; `lora_rank` whole). [[rules]] of `--sharding_rules` apply to weights only."""
     if getattr(placement.cfg, "param_dtype", "float32") != "float32":
-        raise UsageError("LoRA adapters train in float32: use --param_dtype=float32 (--lora_base_dtype=bfloat16 "
-                         "keeps the frozen base in bfloat16)")
+        raise UsageError(
+            "LoRA adapters train in float32: use --param_dtype=float32 (--lora_base_dtype=bfloat16 "
+            "keeps the frozen base in bfloat16)"
+        )
     targets = find_targets(placement, spec)
     flat_logical, flat_shapes = flatten(placement.logical), flatten(placement.shapes)
     logical, shapes = {}, {}
@@ -226,8 +244,16 @@ def place_lora(placement: Placement, spec: LoraSpec) -> LoraPlacement:
 
     resolved = resolve(logical, {p: tuple(s.shape) for p, s in shapes.items()}, strategy_of, None, placement.mesh)
     specs, grads, opt = (unflatten(resolved.specs[w]) for w in ("params", "grads", "opt_state"))
-    return LoraPlacement(spec, placement, targets, unflatten({p: P(*n) for p, n in logical.items()}),
-                         unflatten(shapes), specs, grads, opt)
+    return LoraPlacement(
+        spec,
+        placement,
+        targets,
+        unflatten({p: P(*n) for p, n in logical.items()}),
+        unflatten(shapes),
+        specs,
+        grads,
+        opt,
+    )
 
 
 __all__ = ["LoraSpec", "LoraPlacement", "place_lora", "merge_tree", "merged_weight", "DEFAULT_TARGETS", "IN_AXES"]

@@ -42,8 +42,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, *, one_hot: bool = Fals
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
-def token_loss_sums(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, *,
-                    one_hot: bool = False) -> tuple[jax.Array, jax.Array]:
+def token_loss_sums(
+    logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, *, one_hot: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """(sum of the token losses whose `loss_mask` is 1, number of such tokens), float32.
 
     logits [B, T, V] float32, targets [B, T] int, loss_mask [B, T] (0 or 1, any dtype)."""
@@ -93,8 +94,9 @@ def num_chunks(length: int, chunk: int) -> int:
     return 1 if chunk <= 0 or chunk >= length else -(-length // chunk)
 
 
-def head_loss_sums(x: jax.Array, weights: jax.Array, targets: jax.Array, loss_mask: jax.Array, *,
-                   chunk: int, one_hot: bool = False) -> tuple[jax.Array, jax.Array]:
+def head_loss_sums(
+    x: jax.Array, weights: jax.Array, targets: jax.Array, loss_mask: jax.Array, *, chunk: int, one_hot: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """`token_loss_sums(project(x, weights), targets, loss_mask)` computed `chunk` positions at a time.
 
     x [B, T, E] the normed final stream in the compute dtype, weights [E, V] the output projection

@@ -26,9 +26,11 @@ from meshlm.ops.pipeline import Schedule, pipeline_value_and_grad
 
 def to_stages(layers: Any, pp: int, virtual: int) -> Any:
     """[L, ...] stacked layers -> [pp, V, L/S, ...]; stage k = v·pp + r (layers k·L/S ..) at [r, v]."""
+
     def one(a):
         L = a.shape[0]
         return a.reshape(virtual, pp, L // (pp * virtual), *a.shape[1:]).swapaxes(0, 1)
+
     return jax.tree.map(one, layers)
 
 
@@ -60,10 +62,14 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
     staged = to_stages(params["layers"], schedule.pp, schedule.virtual)
     with sharding.activate(mesh, placement.strategy):  # the stages' activations laid out as without a pipeline
         side = {k: sharding.constrain(v, (None, *axes.TOKENS)) for k, v in mb.items()}  # rows, length split
-        loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(first_fn, stage_fn, head_fn, params["embed"], staged,
-                                                                    head, side, schedule, mesh)
-    grads = {"embed": g_embed + g_head.get("embed", 0.0), "layers": from_stages(g_staged),
-             "final_norm": g_head["final_norm"]}
+        loss, (g_embed, g_staged, g_head) = pipeline_value_and_grad(
+            first_fn, stage_fn, head_fn, params["embed"], staged, head, side, schedule, mesh
+        )
+    grads = {
+        "embed": g_embed + g_head.get("embed", 0.0),
+        "layers": from_stages(g_staged),
+        "final_norm": g_head["final_norm"],
+    }
     if not cfg.tie_embeddings:
         grads["lm_head"] = g_head["lm_head"]
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)

@@ -77,7 +77,9 @@ class Placement:
     @cached_property
     def abstract(self) -> Any:
         """ShapeDtypeStructs carrying their shardings: for ahead-of-time compilation and restore targets."""
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.shapes, self.shardings)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.shapes, self.shardings
+        )
 
     def random_params(self, seed: int = 0) -> Any:
         """Traceable: random parameters as a pure dict. Same values on every mesh (and grouping) for the same seed."""
@@ -88,7 +90,10 @@ class Placement:
         if not self.groups:
             return params
         layers = params["layers"]
-        return {**params, "layers": {g.key: jax.tree.map(lambda a, g=g: a[g.start:g.stop], layers) for g in self.groups}}
+        return {
+            **params,
+            "layers": {g.key: jax.tree.map(lambda a, g=g: a[g.start : g.stop], layers) for g in self.groups},
+        }
 
     def canonical(self, params: Any) -> Any:
         """This placement's tree -> the one-stack tree of checkpoints and weight conversion."""
@@ -115,8 +120,9 @@ class Placement:
         """The model without weights (abstract): its parts run on parameter trees given to them."""
         return nnx.eval_shape(lambda: _build(self.cfg, 0))
 
-    def stream(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, extra=None,
-               adapt=None) -> jax.Array:
+    def stream(
+        self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, extra=None, adapt=None
+    ) -> jax.Array:
         """The residual stream [B, T, E] after the last layer (embedding and layers, not the head).
 
         The embedding runs under the main strategy; without layer groups the layers do too, with them
@@ -178,8 +184,7 @@ class Placement:
         return total
 
 
-def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT,
-          rules: Rules | None = None) -> Placement:
+def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT, rules: Rules | None = None) -> Placement:
     """Trace the model abstractly and lay out each parameter (and its gradient and optimizer moments)
     by its strategy's tables, then by the first matching rule (`meshlm.strategy`)."""
     abstract = nnx.eval_shape(lambda: _build(cfg, 0))
@@ -190,9 +195,15 @@ def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT,
     groups = rules.groups(cfg.n_layers, strategy) if rules else ()
     if groups:
         logical = {**logical, "layers": {g.key: logical["layers"] for g in groups}}
-        shapes = {**shapes, "layers": {g.key: jax.tree.map(
-            lambda s, n=g.stop - g.start: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), shapes["layers"])
-            for g in groups}}
+        shapes = {
+            **shapes,
+            "layers": {
+                g.key: jax.tree.map(
+                    lambda s, n=g.stop - g.start: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), shapes["layers"]
+                )
+                for g in groups
+            },
+        }
 
     def strategy_of(path: str) -> tuple[sharding.Strategy, str]:
         for g in groups:
@@ -203,5 +214,6 @@ def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT,
     flat_shapes = {p: tuple(s.shape) for p, s in flatten(shapes).items()}
     resolved = resolve({p: tuple(s) for p, s in flatten(logical).items()}, flat_shapes, strategy_of, rules, mesh)
     specs, grad_specs, opt_specs = (unflatten(resolved.specs[w]) for w in ("params", "grads", "opt_state"))
-    return Placement(cfg, mesh, strategy, graphdef, logical, specs, shapes, grad_specs, opt_specs,
-                     resolved.sources, groups)
+    return Placement(
+        cfg, mesh, strategy, graphdef, logical, specs, shapes, grad_specs, opt_specs, resolved.sources, groups
+    )

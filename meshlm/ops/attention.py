@@ -46,9 +46,7 @@ def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_i
     if h % k.shape[2]:
         raise ValueError(f"query heads {h} are not a multiple of kv heads {k.shape[2]}")
     if q_positions.shape != (b, t) or kv_positions.shape != (b, k.shape[1]):
-        raise ValueError(
-            f"positions must be [B, T] and [B, S]; got {q_positions.shape}, {kv_positions.shape}"
-        )
+        raise ValueError(f"positions must be [B, T] and [B, S]; got {q_positions.shape}, {kv_positions.shape}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("give both q_segment_ids and kv_segment_ids, or neither")
     if q_segment_ids is not None and (
@@ -352,9 +350,7 @@ def output_delta(out, dout):
 # --------------------------------------------------------------------------------------------
 
 
-def dot_product_attention(
-    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True
-):
+def dot_product_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True):
     """Plain attention that materialises the [T, S] score matrix: the reference (also for the decode
     kernel, `meshlm.ops.decode`, whose empty cache slots have kv_positions < 0).
 

@@ -32,8 +32,17 @@ def triton_block(dtype, head_dim: int) -> int:
     return TRITON_BLOCK // 2 if jnp.dtype(dtype).itemsize >= 4 and head_dim > 64 else TRITON_BLOCK
 
 
-def cudnn_attention(q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True,
-                    interpret: bool = False, max_documents: int = MAX_DOCUMENTS):
+def cudnn_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    block: int | None = None,
+    causal: bool = True,
+    interpret: bool = False,
+    max_documents: int = MAX_DOCUMENTS,
+):
     """cuDNN flash attention (scale 1/sqrt(D)); with `segment_ids`, over packed documents
     (`cudnn_packed_attention`). `block` is not used. `interpret`: the same masks through XLA."""
     del block
@@ -49,8 +58,9 @@ def cudnn_attention(q, k, v, segment_ids=None, *, block: int | None = None, caus
     return out.astype(q.dtype)
 
 
-def triton_attention(q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True,
-                     interpret: bool = False):
+def triton_attention(
+    q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True, interpret: bool = False
+):
     """The Pallas (Triton) flash kernel, with the segment-id mask; T must be a multiple of `block`
     (default `triton_block`)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu

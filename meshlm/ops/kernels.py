@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from meshlm.backends import DENSE_ATTENTION_BELOW, profile_for
-from meshlm.ops.kernel_names import KERNELS
 from meshlm.errors import UsageError
 from meshlm.ops import attention as attn
 from meshlm.ops.gpu import MAX_DOCUMENTS
+from meshlm.ops.kernel_names import KERNELS
 
 # `auto` with no fused kernel: dense attention below this many tokens, blockwise from there (the
 # backend's profile chooses; docs/kernels.md says why).
@@ -84,8 +84,10 @@ def why_not(kernel: str, call: Call) -> str | None:
         return "serves causal self-attention only (queries and keys of one length)"
     if kernel == "cudnn":
         if call.packed and not call.interpret and (call.gpu_capability or 0) < PACKED_CUDNN_CAPABILITY:
-            return ("masks packed documents (segment ids) on Hopper or later GPUs only (compute capability "
-                    f"{PACKED_CUDNN_CAPABILITY}); --attention=triton can")
+            return (
+                "masks packed documents (segment ids) on Hopper or later GPUs only (compute capability "
+                f"{PACKED_CUDNN_CAPABILITY}); --attention=triton can"
+            )
         if call.dtype not in ("bfloat16", "float16"):
             return f"needs bfloat16 or float16 activations, not {call.dtype}: set --dtype=bfloat16"
         if call.head_dim % 8 or call.head_dim > 128:
@@ -158,8 +160,16 @@ def attention(
         args = [q, k, v, q_positions, kv_positions] + ([q_segment_ids, kv_segment_ids] if call.packed else [])
 
         def local(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
-            return padded_blockwise(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                                    kv_segment_ids=kv_seg, causal=causal)
+            return padded_blockwise(
+                q,
+                k,
+                v,
+                q_positions=q_pos,
+                kv_positions=kv_pos,
+                q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg,
+                causal=causal,
+            )
 
         return _per_shard(local, args, layout, check_vma=True)
     return _fused(name, q, k, v, q_segment_ids, layout, interpret, max_documents)
@@ -196,11 +206,13 @@ def _pad(x, length: int, value):
 def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool, max_documents: int):
     """Run one of the fused kernels on lengths padded to its blocks, per shard under a mesh."""
     if name == "splash":
-        from meshlm.ops.splash import MAX_BLOCK, splash_attention as kernel
+        from meshlm.ops.splash import MAX_BLOCK
+        from meshlm.ops.splash import splash_attention as kernel
 
         tp, block = padded_length(q.shape[1], MAX_BLOCK, 128)
     elif name == "triton":
-        from meshlm.ops.gpu import triton_attention as kernel, triton_block
+        from meshlm.ops.gpu import triton_attention as kernel
+        from meshlm.ops.gpu import triton_block
 
         size = triton_block(q.dtype, q.shape[-1])
         tp, block = padded_length(q.shape[1], size, size)

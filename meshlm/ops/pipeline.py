@@ -76,8 +76,16 @@ class Schedule:
         return (p - 1) / (m * v + p - 1)
 
 
-def schedule_for_job(name: str, pp: int, microbatches: int | None, virtual: int, n_layers: int, batch_size: int,
-                     grad_accum: int, data: int):
+def schedule_for_job(
+    name: str,
+    pp: int,
+    microbatches: int | None,
+    virtual: int,
+    n_layers: int,
+    batch_size: int,
+    grad_accum: int,
+    data: int,
+):
     """The `--pp` flags checked against the job (one line each, before anything compiles) and the schedule
     they give. `microbatches` None: 2 × pp; `data`: dp × fsdp, the ways each micro-batch's rows split."""
     micro = microbatches or 2 * pp
@@ -85,8 +93,10 @@ def schedule_for_job(name: str, pp: int, microbatches: int | None, virtual: int,
     if grad_accum > 1:
         raise UsageError("--grad_accum with --pp: the pipeline's --microbatches already accumulate; drop --grad_accum")
     if batch_size % (micro * data):
-        raise UsageError(f"--batch_size={batch_size} does not split into --microbatches={micro} of rows "
-                         f"divisible by dp×fsdp = {data}; use a multiple of {micro * data}")
+        raise UsageError(
+            f"--batch_size={batch_size} does not split into --microbatches={micro} of rows "
+            f"divisible by dp×fsdp = {data}; use a multiple of {micro * data}"
+        )
     return build_schedule(name, pp, micro, virtual)
 
 
@@ -99,14 +109,20 @@ def check(name: str, pp: int, microbatches: int, virtual: int, n_layers: int | N
     if virtual > 1 and name != "interleaved":
         raise UsageError(f"--virtual_stages={virtual} needs --pipeline_schedule=interleaved")
     if name == "interleaved" and microbatches % pp:
-        raise UsageError(f"--microbatches={microbatches} is not a multiple of --pp={pp}, which the interleaved "
-                         f"schedule needs; use --microbatches={(microbatches // pp + 1) * pp}")
+        raise UsageError(
+            f"--microbatches={microbatches} is not a multiple of --pp={pp}, which the interleaved "
+            f"schedule needs; use --microbatches={(microbatches // pp + 1) * pp}"
+        )
     if pp > 1 and microbatches < pp:
-        raise UsageError(f"--microbatches={microbatches} is fewer than the --pp={pp} stages: the pipeline would "
-                         f"never fill; use --microbatches={pp} or more")
+        raise UsageError(
+            f"--microbatches={microbatches} is fewer than the --pp={pp} stages: the pipeline would "
+            f"never fill; use --microbatches={pp} or more"
+        )
     if n_layers is not None and n_layers % (pp * virtual):
-        raise UsageError(f"the model's {n_layers} layers do not split into --pp={pp} × --virtual_stages={virtual} "
-                         f"= {pp * virtual} equal stages; choose a pp × virtual_stages that divides {n_layers}")
+        raise UsageError(
+            f"the model's {n_layers} layers do not split into --pp={pp} × --virtual_stages={virtual} "
+            f"= {pp * virtual} equal stages; choose a pp × virtual_stages that divides {n_layers}"
+        )
 
 
 def rank_order(name: str, pp: int, M: int, V: int, r: int) -> list[tuple[int, int, int]]:
@@ -118,6 +134,7 @@ def rank_order(name: str, pp: int, M: int, V: int, r: int) -> list[tuple[int, in
     virtual microbatches, taken in groups of pp microbatches per stage, forwards through the rank's
     stages in order and backwards in reverse, with 2(pp - r - 1) + (V - 1)·pp warm-up forwards.
     """
+
     def fwd(j):  # j-th forward of this rank
         group, within = divmod(j, pp * V)
         v = within // pp
@@ -247,9 +264,14 @@ def pipeline_value_and_grad(
     stage_spec = jax.tree.map(lambda _: P(axis), stage_params)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     by_rank = P(None, axis)
-    fn = jax.shard_map(per_rank, mesh=mesh, axis_names={axis},
-                       in_specs=(rep(first_params), stage_spec, rep(head_params), rep(side), *(by_rank,) * 4),
-                       out_specs=(P(), rep(first_params), stage_spec, rep(head_params)), check_vma=False)
+    fn = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        axis_names={axis},
+        in_specs=(rep(first_params), stage_spec, rep(head_params), rep(side), *(by_rank,) * 4),
+        out_specs=(P(), rep(first_params), stage_spec, rep(head_params)),
+        check_vma=False,
+    )
     tables = (schedule.fwd, schedule.bwd, schedule.recv_act, schedule.recv_cot)
     loss, gf, g, gh = fn(first_params, stage_params, head_params, side, *(jnp.asarray(a) for a in tables))
     return loss, (gf, g, gh)
@@ -298,7 +320,8 @@ def _rank_program(first_fn, stage_fn, head_fn, schedule: Schedule, axis: str):
                 return jnp.where(last, out, pulled), out
 
             (_, out), (df, dp, dh, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True)(
-                first, stage_at(v), head, acts[aslot])
+                first, stage_at(v), head, acts[aslot]
+            )
             on = active == 1
             g = jax.tree.map(lambda G, d: jnp.where(on, G.at[v].add(d.astype(G.dtype)), G), g, dp)
             gf = jax.tree.map(lambda G, d: jnp.where(on & (k == 0), G + d.astype(G.dtype), G), gf, df)
@@ -317,11 +340,18 @@ def _rank_program(first_fn, stage_fn, head_fn, schedule: Schedule, axis: str):
                 if kind & BWD:
                     carry = (carry[0], carry[1].at[recv_c[t]].set(jax.lax.ppermute(dx, axis, bwd_perm)), *carry[2:])
                 return carry, None
+
             return run
 
         zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-        carry = (jnp.zeros((A + 1, *h_shape), dtype), jnp.zeros((C + 1, *h_shape), dtype),
-                 zeros32(params), zeros32(first), zeros32(head), jnp.zeros((), jnp.float32))
+        carry = (
+            jnp.zeros((A + 1, *h_shape), dtype),
+            jnp.zeros((C + 1, *h_shape), dtype),
+            zeros32(params),
+            zeros32(first),
+            zeros32(head),
+            jnp.zeros((), jnp.float32),
+        )
         for kind, start, end in schedule.segments():
             carry, _ = jax.lax.scan(clock(kind), carry, jnp.arange(start, end))
         _, _, g, gf, gh, loss = carry

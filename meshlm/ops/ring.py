@@ -85,9 +85,7 @@ def _ring_forward(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
         state, kv = carry
         next_kv = _send_to_next(kv, ring)  # issued before the compute it overlaps with
         k_i, v_i, kv_pos_i, kv_seg_i = kv
-        state = attn.forward_chunk(
-            state, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, **ring.blocks()
-        )
+        state = attn.forward_chunk(state, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, **ring.blocks())
         return state, next_kv
 
     # The same loop body every step keeps compile time independent of sp; the price is that the

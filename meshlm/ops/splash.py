@@ -50,8 +50,9 @@ def _kernel(heads: int, length: int, block: int, causal: bool, interpret: bool):
         )  # fmt: skip
 
 
-def splash_attention(q, k, v, segment_ids=None, *, block: int = MAX_BLOCK, causal: bool = True,
-                     interpret: bool = False):
+def splash_attention(
+    q, k, v, segment_ids=None, *, block: int = MAX_BLOCK, causal: bool = True, interpret: bool = False
+):
     """Splash attention of one device's q [B,T,H,D] to k, v [B,T,KVH,D]: [B,T,H,D] in q's dtype.
 
     T must be a multiple of `block`, itself a multiple of 128 (`meshlm.ops.kernels` pads to one).

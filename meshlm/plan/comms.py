@@ -100,8 +100,14 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
         add("all-to-all", (axis,), n * E * a, 2 * A, "embed", "fsdp: looked-up rows to their devices (and back)", False)
     add("all-reduce", ("dp",), loc.w_table * r / ways, A, "embed", "dp: sum embedding-table gradients over tokens")
     if not cfg.tie_embeddings:
-        add("all-gather", F, loc.w_table * g, 2 if sizes["tp"] > 1 and backend != "tpu" else 1, "lm_head",
-            "fsdp: gather the output head")
+        add(
+            "all-gather",
+            F,
+            loc.w_table * g,
+            2 if sizes["tp"] > 1 and backend != "tpu" else 1,
+            "lm_head",
+            "fsdp: gather the output head",
+        )
         if fsdp_on:
             add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
             add("all-reduce", ("dp",), table / ways, A, "lm_head", "dp: all-reduce gradient shards")
@@ -115,13 +121,33 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     add("all-reduce", ("tp",), n * E * a, (1 + recompute) * L * A, "attn.out", "tp: sum partial outputs", False)
     add("all-reduce", ("tp",), n * E * a, L * A, "mlp.down", "tp: sum partial outputs", False)
     if backend == "tpu" and fsdp_on and (sizes["sp"] > 1 or job.seq_len >= TPU_REGATHER_FROM):
-        add("all-gather", F, E * (loc.heads + loc.kv_heads) * cfg.head_dim * g, L * A, "attn.qkv",
-            "fsdp: gather q, k weights again for the attention kernel's backward")
+        add(
+            "all-gather",
+            F,
+            E * (loc.heads + loc.kv_heads) * cfg.head_dim * g,
+            L * A,
+            "attn.qkv",
+            "fsdp: gather q, k weights again for the attention kernel's backward",
+        )
     summed = backend == "tpu"  # XLA:TPU adds the partial input gradients up before one all-reduce
-    add("all-reduce", ("tp",), (1 if summed else 3) * n * E * a, L * A, "attn.qkv",
-        "tp: sum input gradients of q, k, v", False)
-    add("all-reduce", ("tp",), (1 if summed else 2) * n * E * a, L * A, "mlp.in",
-        "tp: sum input gradients of gate, up", False)
+    add(
+        "all-reduce",
+        ("tp",),
+        (1 if summed else 3) * n * E * a,
+        L * A,
+        "attn.qkv",
+        "tp: sum input gradients of q, k, v",
+        False,
+    )
+    add(
+        "all-reduce",
+        ("tp",),
+        (1 if summed else 2) * n * E * a,
+        L * A,
+        "mlp.in",
+        "tp: sum input gradients of gate, up",
+        False,
+    )
 
     s = sizes["sp"]
     if s > 1:  # RingAttention
@@ -137,15 +163,33 @@ def _ring(add, job: Job, kv_heads: int, n: int, a: int, s: int, backend: str) ->
     rings = 2 if cfg.remat in RECOMPUTES_RING else 1
     add("collective-permute", ("sp",), 2 * kv, s * L * A * rings, "attention", "ring: pass k, v (forward)")
     add("collective-permute", ("sp",), 2 * ids, s * A, "attention", "ring: pass positions, segment ids (forward)")
-    add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, s * L * A, "attention",
-        "ring: pass k, v, ids and dk, dv accumulators (backward)")
+    add(
+        "collective-permute",
+        ("sp",),
+        2 * kv + 2 * ids + 2 * kv32,
+        s * L * A,
+        "attention",
+        "ring: pass k, v, ids and dk, dv accumulators (backward)",
+    )
     # XLA:TPU casts the accumulators to the compute dtype before their last hop, and the recomputed
     # forward ring sends positions and segment ids again.
-    add("collective-permute", ("sp",), 2 * (kv if backend == "tpu" else kv32), L * A, "attention",
-        "ring: send dk, dv home")
+    add(
+        "collective-permute",
+        ("sp",),
+        2 * (kv if backend == "tpu" else kv32),
+        L * A,
+        "attention",
+        "ring: send dk, dv home",
+    )
     if backend == "tpu":
-        add("collective-permute", ("sp",), 2 * ids, s * L * A * (rings - 1), "attention",
-            "ring: pass positions, segment ids (recomputed forward)")
+        add(
+            "collective-permute",
+            ("sp",),
+            2 * ids,
+            s * L * A * (rings - 1),
+            "attention",
+            "ring: pass positions, segment ids (recomputed forward)",
+        )
 
 
 def total_bytes(collectives: list[Collective]) -> dict[str, float]:
@@ -194,8 +238,10 @@ def wire_seconds(c: Collective, shape: MeshShape, hw: Hardware) -> float:
         seconds = c.payload / (hw.slow_bandwidth if g_slow > 1 else hw.fast_bandwidth)
     else:
         factor = 2.0 if c.kind == "all-reduce" else 1.0
-        seconds = factor * (c.payload * (g_fast - 1) / g_fast / hw.fast_bandwidth
-                            + c.payload / g_fast * (g_slow - 1) / g_slow / hw.slow_bandwidth)
+        seconds = factor * (
+            c.payload * (g_fast - 1) / g_fast / hw.fast_bandwidth
+            + c.payload / g_fast * (g_slow - 1) / g_slow / hw.slow_bandwidth
+        )
     return (seconds + hw.collective_latency) * c.count
 
 

@@ -26,8 +26,17 @@ from meshlm.plan.memory import saved_per_token_layer
 from meshlm.plan.state_bytes import abstract_mesh
 from meshlm.strategy import DEFAULT
 
-_LETTER = {"batch": "B", "length": "T", "embed": "E", "heads": "H", "kv_heads": "K", "head_dim": "D",
-           "mlp": "M", "vocab": "V", "layers": "L"}
+_LETTER = {
+    "batch": "B",
+    "length": "T",
+    "embed": "E",
+    "heads": "H",
+    "kv_heads": "K",
+    "head_dim": "D",
+    "mlp": "M",
+    "vocab": "V",
+    "layers": "L",
+}
 # Forward-pass matmuls are recomputed in the backward pass under these policies (per operator group).
 _RECOMPUTED = {
     "full": {"attn.qkv", "attention", "attn.out", "mlp.in", "mlp.down"},
@@ -95,14 +104,25 @@ def operator_rows(job: Job, shape: MeshShape) -> dict[str, tuple[str, float | No
     x = nt("a", "batch", "length", "embed")
     return {
         "embed": (f"lookup {nt('p', 'vocab', 'embed')} → {nt('a', 'vocab', 'embed')}: {x}", 0.0),
-        "attn.qkv": (f"{x} @ {nt('p', 'embed', 'heads', 'head_dim')} = {nt('a', 'batch', 'length', 'heads', 'head_dim')} (and k, v)", None),
-        "attention": (f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('a', 'batch', 'length', 'kv_heads', 'head_dim')}ᵀ"
-                      + (" (ring over sp)" if shape.sp > 1 else ""), None),
-        "attn.out": (f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('p', 'heads', 'head_dim', 'embed')} = {x}", None),
+        "attn.qkv": (
+            f"{x} @ {nt('p', 'embed', 'heads', 'head_dim')} = {nt('a', 'batch', 'length', 'heads', 'head_dim')} (and k, v)",
+            None,
+        ),
+        "attention": (
+            f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('a', 'batch', 'length', 'kv_heads', 'head_dim')}ᵀ"
+            + (" (ring over sp)" if shape.sp > 1 else ""),
+            None,
+        ),
+        "attn.out": (
+            f"{nt('a', 'batch', 'length', 'heads', 'head_dim')} @ {nt('p', 'heads', 'head_dim', 'embed')} = {x}",
+            None,
+        ),
         "mlp.in": (f"{x} @ {nt('p', 'embed', 'mlp')} = {nt('a', 'batch', 'length', 'mlp')} (gate, up)", None),
         "mlp.down": (f"{nt('a', 'batch', 'length', 'mlp')} @ {nt('p', 'mlp', 'embed')} = {x}", None),
-        "lm_head": (f"{x} @ {nt('p', 'embed', 'vocab')} = {nt('a', 'batch', 'length', 'vocab')}",
-                    2 * loc.tokens * loc.w_table * 3 * A),
+        "lm_head": (
+            f"{x} @ {nt('p', 'embed', 'vocab')} = {nt('a', 'batch', 'length', 'vocab')}",
+            2 * loc.tokens * loc.w_table * 3 * A,
+        ),
         "loss": (f"softmax over {nt('a', 'batch', 'length', 'vocab')}", 0.0),
         "norms": (f"RMSNorm {nt('p', 'embed')}", 0.0),
     }
@@ -115,8 +135,10 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     L, A = job.cfg.n_layers, job.grad_accum
     fwd = matmul_flops(loc)
     recomputed = _RECOMPUTED.get(job.cfg.remat, set())
-    rows = {name: (text, fwd[name] * (3 + (name in recomputed)) * L * A if flops is None else flops)
-            for name, (text, flops) in operator_rows(job, shape).items()}
+    rows = {
+        name: (text, fwd[name] * (3 + (name in recomputed)) * L * A if flops is None else flops)
+        for name, (text, flops) in operator_rows(job, shape).items()
+    }
     # Attention runs forward, backward, and again forward where the policy recomputes it.
     return rated_operators(rows, job, shape, hw, collectives, ring_loops=(2 + ("attention" in recomputed)) * L * A)
 
@@ -126,8 +148,14 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
 ROW_MATMULS = ("attn.qkv", "attn.out", "mlp.in", "mlp.down", "lm_head")
 
 
-def rated_operators(rows: dict[str, tuple[str, float]], job: Job, shape: MeshShape, hw: Hardware,
-                    collectives: list[comms.Collective], ring_loops: float = 0) -> list[Operator]:
+def rated_operators(
+    rows: dict[str, tuple[str, float]],
+    job: Job,
+    shape: MeshShape,
+    hw: Hardware,
+    collectives: list[comms.Collective],
+    ring_loops: float = 0,
+) -> list[Operator]:
     """One `Operator` per row (name -> (notation, FLOPs)) with its collectives, times and intensity.
 
     Matmuls run at the hardware's efficiency for the device's rows, attention at its kernel's
@@ -226,12 +254,20 @@ def elementwise_bytes(job: Job, shape: MeshShape, backend: str) -> float:
     the backward `RESIDUAL_PASSES[backend]` times more (so keeping more is not free)."""
     loc = job.local(shape)
     per_token = 3 * saved_per_token_layer(loc, "none") + RESIDUAL_PASSES[backend] * saved_per_token_layer(
-        loc, job.cfg.remat)
+        loc, job.cfg.remat
+    )
     return job.cfg.n_layers * job.grad_accum * loc.tokens * per_token * job.act_bytes
 
 
-def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[Operator],
-              collectives: list[comms.Collective], params_bytes: int, elementwise: float) -> StepTime:
+def step_time(
+    job: Job,
+    shape: MeshShape,
+    hw: Hardware,
+    ops: list[Operator],
+    collectives: list[comms.Collective],
+    params_bytes: int,
+    elementwise: float,
+) -> StepTime:
     """The step's time from its operators, its collectives and `elementwise`, the bytes its non-matmul
     work streams (`elementwise_bytes`, or the pipeline's); the optimizer reads parameter, gradient and
     both moments and writes three of them back."""

@@ -32,8 +32,11 @@ def operators(job: Job, shape: MeshShape, hw: Hardware, found: list[comms.Collec
     return table(job, shape, hw, found)
 
 
-def step_time(job: Job, shape: MeshShape, hw: Hardware, ops: list[cost.Operator], found: list[comms.Collective],
-              params_bytes: int) -> cost.StepTime:
+def step_time(
+    job: Job, shape: MeshShape, hw: Hardware, ops: list[cost.Operator], found: list[comms.Collective], params_bytes: int
+) -> cost.StepTime:
     """The predicted step: compute, HBM-bound work and the communication not hidden behind them."""
-    elementwise = pipeline.elementwise_bytes(job, shape) if shape.pp > 1 else cost.elementwise_bytes(job, shape, hw.backend)
+    elementwise = (
+        pipeline.elementwise_bytes(job, shape) if shape.pp > 1 else cost.elementwise_bytes(job, shape, hw.backend)
+    )
     return cost.step_time(job, shape, hw, ops, found, params_bytes, elementwise)

@@ -30,8 +30,9 @@ def within(peak_bytes: float, device_bytes: float) -> bool:
     return peak_bytes <= usable_bytes(device_bytes)
 
 
-def auto_policy(job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu",
-                kept_block_bytes: float | None = None) -> str:
+def auto_policy(
+    job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu", kept_block_bytes: float | None = None
+) -> str:
     """What `--remat=auto` means for this job, in `meshlm train` and in `meshlm plan --hardware=cpu` alike.
 
     A backend whose profile keeps the host's scratch between steps (CPU; `kept_block_bytes` given by
@@ -64,7 +65,7 @@ def _changes(job: Job, shape: MeshShape):
 
     c = job.cfg
     if c.remat != "auto":
-        for policy in POLICIES[POLICIES.index(c.remat) + 1:]:
+        for policy in POLICIES[POLICIES.index(c.remat) + 1 :]:
             yield f"--remat={policy}", replace(job, cfg=c.replace(remat=policy)), shape
     for accum in (2, 4, 8, 16, 32, 64):
         if accum > job.grad_accum and job.batch_size % accum == 0:
@@ -81,8 +82,9 @@ def _changes(job: Job, shape: MeshShape):
     while seq_len >= 64:
         yield f"--seq_len={seq_len}", replace(job, seq_len=seq_len), shape
         seq_len //= 2
-    smaller = sorted((n for n, p in PRESETS.items() if p.num_params() < c.num_params()),
-                     key=lambda n: -PRESETS[n].num_params())
+    smaller = sorted(
+        (n for n, p in PRESETS.items() if p.num_params() < c.num_params()), key=lambda n: -PRESETS[n].num_params()
+    )
     for name in smaller:
         preset = PRESETS[name]
         if job.seq_len <= preset.max_seq_len:
@@ -98,7 +100,9 @@ def nearest_fit(job: Job, shape: MeshShape, device_bytes: float, compiler: str =
     return None
 
 
-def misfit(job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu", where: str = "a device") -> str | None:
+def misfit(
+    job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu", where: str = "a device"
+) -> str | None:
     """One line when the job's predicted peak does not fit `device_bytes` (`where` says whose memory
     that is), naming the nearest change that fits; None when it fits."""
     need = peak(job, shape, compiler)
@@ -106,9 +110,11 @@ def misfit(job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu
         return None
     fix = nearest_fit(job, shape, device_bytes, compiler)
     remat = "" if job.cfg.remat == "auto" else f" with --remat={job.cfg.remat}"
-    return (f"this job needs about {need / 1e9:.1f} GB per device{remat} (predicted peak), more than the "
-            f"{usable_bytes(device_bytes) / 1e9:.1f} GB that {where}; "
-            + (f"nearest change that fits: {fix}" if fix else "nothing nearby fits: use a smaller model or more memory"))
+    return (
+        f"this job needs about {need / 1e9:.1f} GB per device{remat} (predicted peak), more than the "
+        f"{usable_bytes(device_bytes) / 1e9:.1f} GB that {where}; "
+        + (f"nearest change that fits: {fix}" if fix else "nothing nearby fits: use a smaller model or more memory")
+    )
 
 
 def serving_bytes(model, shape: MeshShape, max_batch: int, context: int) -> tuple[float, float]:
@@ -123,19 +129,23 @@ def serving_bytes(model, shape: MeshShape, max_batch: int, context: int) -> tupl
     return weights, cache
 
 
-def serving_misfit(model, shape: MeshShape, max_batch: int, context: int, device_bytes: float,
-                   where: str = "a device") -> str | None:
+def serving_misfit(
+    model, shape: MeshShape, max_batch: int, context: int, device_bytes: float, where: str = "a device"
+) -> str | None:
     """One line when a serving engine's weights and KV cache (`serving_bytes`) do not fit `device_bytes`,
     naming the smaller --max_seq_len or --max_batch that fits; None when they fit."""
     weights, cache = serving_bytes(model, shape, max_batch, context)
     if within(weights + cache, device_bytes):
         return None
-    head = (f"serving needs about {(weights + cache) / 1e9:.1f} GB per device (weights {weights / 1e9:.1f} GB, KV cache "
-            f"{cache / 1e9:.1f} GB), more than the {usable_bytes(device_bytes) / 1e9:.1f} GB that {where}")
+    head = (
+        f"serving needs about {(weights + cache) / 1e9:.1f} GB per device (weights {weights / 1e9:.1f} GB, KV cache "
+        f"{cache / 1e9:.1f} GB), more than the {usable_bytes(device_bytes) / 1e9:.1f} GB that {where}"
+    )
     lengths = [context >> k for k in range(1, 8) if context >> k >= 64]
     batches = [max_batch >> k for k in range(1, 8) if (max_batch >> k) % shape.data == 0 and max_batch >> k]
-    tries = [(f"--max_seq_len={n}", max_batch, n) for n in lengths] + \
-        [(f"--max_batch={b}", b, context) for b in batches]
+    tries = [(f"--max_seq_len={n}", max_batch, n) for n in lengths] + [
+        (f"--max_batch={b}", b, context) for b in batches
+    ]
     for flag, batch, length in tries:
         if within(sum(serving_bytes(model, shape, batch, length)), device_bytes):
             return f"{head}; nearest change that fits: {flag}"

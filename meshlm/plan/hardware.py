@@ -65,8 +65,10 @@ class Hardware:
         when JAX takes the whole device."""
         if self.memory_fraction == 1.0:
             return ""
-        return (f"{self.memory_fraction:.0%} of {self.hbm_bytes / self.memory_fraction / 1e9:.3g} GB "
-                f"({self.memory_setting})")
+        return (
+            f"{self.memory_fraction:.0%} of {self.hbm_bytes / self.memory_fraction / 1e9:.3g} GB "
+            f"({self.memory_setting})"
+        )
 
     def peak_flops(self, dtype: str) -> float:
         """Peak matmul FLOP/s for this compute dtype."""
@@ -99,8 +101,20 @@ def _peaks(device_kind: str) -> tuple[float, float]:
 
 def _gpu(name, kind, hbm, hbm_bw, nvlink, ib, source, **measured) -> Hardware:
     bf16, fp32 = _peaks(kind)
-    return Hardware(name, bf16, fp32, hbm, hbm_bw, nvlink, ib, fast_domain=8, devices_per_host=8, source=source,
-                    device_kind=kind, **measured)
+    return Hardware(
+        name,
+        bf16,
+        fp32,
+        hbm,
+        hbm_bw,
+        nvlink,
+        ib,
+        fast_domain=8,
+        devices_per_host=8,
+        source=source,
+        device_kind=kind,
+        **measured,
+    )
 
 
 # Hopper (H100, H200): the fractions of peak `bench/accelerator.py`'s step (llama3-8b layers at 8192 tokens
@@ -112,9 +126,22 @@ HOPPER = dict(matmul_rows=((8192, 0.712),), attention_efficiency=0.378)
 
 def _tpu(name, kind, hbm, hbm_bw, ici_link, dcn_per_chip, pod, per_host, source, onchip=0.0) -> Hardware:
     bf16, fp32 = _peaks(kind)
-    return Hardware(name, bf16, fp32, hbm, hbm_bw, 2 * ici_link, dcn_per_chip, fast_domain=pod,
-                    devices_per_host=per_host, fast_name="ICI", slow_name="DCN", source=source, onchip_bytes=onchip,
-                    device_kind=kind)
+    return Hardware(
+        name,
+        bf16,
+        fp32,
+        hbm,
+        hbm_bw,
+        2 * ici_link,
+        dcn_per_chip,
+        fast_domain=pod,
+        devices_per_host=per_host,
+        fast_name="ICI",
+        slow_name="DCN",
+        source=source,
+        onchip_bytes=onchip,
+        device_kind=kind,
+    )
 
 
 # On-chip memory for the step's temporaries: XLA:TPU's memory-space assignment gets each TensorCore's
@@ -234,8 +261,14 @@ def collective_latency_probe(n_devices: int, chain: int = 16, repeats: int = 15)
     return max(0.0, (timed(chain + 1) - timed(1)) / chain), len(devices)
 
 
-def matmul_rows_probe(n_devices: int, dtype: str, peak: float, rows: tuple[int, ...] = (64, 128, 256, 512, 1024),
-                      width: int = 512, repeats: int = 5) -> tuple[tuple[int, float], ...]:
+def matmul_rows_probe(
+    n_devices: int,
+    dtype: str,
+    peak: float,
+    rows: tuple[int, ...] = (64, 128, 256, 512, 1024),
+    width: int = 512,
+    repeats: int = 5,
+) -> tuple[tuple[int, float], ...]:
     """((rows, fraction of `peak`), ...): how fast a [rows, width] @ [width, width] matmul runs on each of
     the first `n_devices` simulated CPU devices at once (the devices share the cores, as in a step),
     against `peak`, the whole machine's rate on one large matmul. Few rows per device (a small batch
@@ -249,8 +282,11 @@ def matmul_rows_probe(n_devices: int, dtype: str, peak: float, rows: tuple[int, 
     mesh = Mesh(np.array(devices), ("x",))
     split = NamedSharding(mesh, PartitionSpec("x"))
     w = jax.device_put(jnp.full((len(devices) * width, width), 1.0 / width, dtype), split)
-    f = jax.jit(jax.shard_map(lambda x, w: (x @ w) @ w, mesh=mesh, in_specs=(PartitionSpec("x"),) * 2,
-                              out_specs=PartitionSpec("x")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w: (x @ w) @ w, mesh=mesh, in_specs=(PartitionSpec("x"),) * 2, out_specs=PartitionSpec("x")
+        )
+    )
     xs = [jax.device_put(jnp.ones((len(devices) * r, width), dtype), split) for r in rows]
     for x in xs:
         f(x, w).block_until_ready()  # compile + warm up each size
@@ -287,8 +323,17 @@ def ring_step_probe(n_devices: int, latency: float, local_len: int = 16, repeats
     positions = jnp.arange(length, dtype=jnp.int32)[None]
 
     def total(q, k, v):
-        return ring_attention(q, k, v, q_positions=positions, kv_positions=positions, mesh=mesh, axis_name="sp",
-                              qkv_spec=PartitionSpec(None, "sp"), seq_spec=PartitionSpec(None, "sp")).sum()
+        return ring_attention(
+            q,
+            k,
+            v,
+            q_positions=positions,
+            kv_positions=positions,
+            mesh=mesh,
+            axis_name="sp",
+            qkv_spec=PartitionSpec(None, "sp"),
+            seq_spec=PartitionSpec(None, "sp"),
+        ).sum()
 
     f = jax.jit(jax.grad(total, argnums=(0, 1, 2)))
     jax.block_until_ready(f(x, x, x))  # compile + warm up
@@ -317,17 +362,32 @@ def cpu_hardware(n_devices: int, dtype: str = "float32") -> Hardware:
     latency, over = collective_latency_probe(n_devices)
     rows = matmul_rows_probe(n_devices, dtype, probe)
     ring_step = ring_step_probe(n_devices, latency)
-    latency_note = f"{latency * 1e6:.0f} µs per collective and {ring_step * 1e3:.2f} ms per ring step over {over} devices"
+    latency_note = (
+        f"{latency * 1e6:.0f} µs per collective and {ring_step * 1e3:.2f} ms per ring step over {over} devices"
+    )
     if over < n_devices:
         latency_note += f" (the {over} of the {n_devices} this process has)"
-    return Hardware("cpu", peak, peak, host_memory_budget() / n_devices, copy, copy, copy,
-                    fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory",
-                    source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy, {latency_note}), "
-                           f"split over {n_devices} devices",
-                    collective_latency=latency, matmul_rows=rows, ring_step_s=ring_step,
-                    peak_source=f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {n_devices} "
-                                "devices, as meshlm train measures its MFU peak (re-measured each run: it moves with "
-                                "the machine's load; --peak_tflops pins it for both)")
+    return Hardware(
+        "cpu",
+        peak,
+        peak,
+        host_memory_budget() / n_devices,
+        copy,
+        copy,
+        copy,
+        fast_domain=n_devices,
+        devices_per_host=n_devices,
+        fast_name="memory",
+        slow_name="memory",
+        source=f"measured on this machine ({dtype} 1024^2 matmul, 64 MiB copy, {latency_note}), "
+        f"split over {n_devices} devices",
+        collective_latency=latency,
+        matmul_rows=rows,
+        ring_step_s=ring_step,
+        peak_source=f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {n_devices} "
+        "devices, as meshlm train measures its MFU peak (re-measured each run: it moves with "
+        "the machine's load; --peak_tflops pins it for both)",
+    )
 
 
 def with_peak(hw: Hardware, peak_tflops: float | None) -> Hardware:
@@ -336,8 +396,9 @@ def with_peak(hw: Hardware, peak_tflops: float | None) -> Hardware:
         return hw
     if not peak_tflops > 0:
         raise UsageError(f"--peak_tflops={peak_tflops} must be a positive number of TFLOP/s per device")
-    return replace(hw, peak_bf16=peak_tflops * 1e12, peak_fp32=peak_tflops * 1e12,
-                   peak_source=f"--peak_tflops={peak_tflops:g}")
+    return replace(
+        hw, peak_bf16=peak_tflops * 1e12, peak_fp32=peak_tflops * 1e12, peak_source=f"--peak_tflops={peak_tflops:g}"
+    )
 
 
 def hardware_key(name: str) -> str:
@@ -356,7 +417,9 @@ def with_memory_fraction(hw: Hardware, fraction: float, setting: str) -> Hardwar
     return replace(hw, hbm_bytes=whole * fraction, memory_fraction=fraction, memory_setting=setting, source=source)
 
 
-def resolve_hardware(name: str, n_devices: int, dtype: str = "bfloat16", devices_per_host: int | None = None) -> Hardware:
+def resolve_hardware(
+    name: str, n_devices: int, dtype: str = "bfloat16", devices_per_host: int | None = None
+) -> Hardware:
     """Catalog entry (or the measured CPU) for `--hardware`, with `--devices_per_host` applied and,
     on GPUs, the memory JAX takes there (this process's environment: the run is assumed to share it)."""
     from meshlm.platform import gpu_memory_fraction

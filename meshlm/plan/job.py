@@ -47,20 +47,23 @@ class PipelineFlags:
         return out
 
 
-def pipeline_problem(flags: PipelineFlags, shape: MeshShape, n_layers: int, batch_size: int,
-                     grad_accum: int) -> str | None:
+def pipeline_problem(
+    flags: PipelineFlags, shape: MeshShape, n_layers: int, batch_size: int, grad_accum: int
+) -> str | None:
     """Why this pipelined mesh cannot run the job (`meshlm train`'s checks of the pipeline flags), or None."""
     return _pipeline_problem(flags, shape.pp, shape.data, n_layers, batch_size, grad_accum)
 
 
 @lru_cache(maxsize=256)
-def _pipeline_problem(flags: PipelineFlags, pp: int, data: int, n_layers: int, batch_size: int,
-                      grad_accum: int) -> str | None:
+def _pipeline_problem(
+    flags: PipelineFlags, pp: int, data: int, n_layers: int, batch_size: int, grad_accum: int
+) -> str | None:
     from meshlm.ops.pipeline import schedule_for_job
 
     try:
-        schedule_for_job(flags.schedule, pp, flags.microbatches, flags.virtual_stages, n_layers, batch_size,
-                         grad_accum, data)
+        schedule_for_job(
+            flags.schedule, pp, flags.microbatches, flags.virtual_stages, n_layers, batch_size, grad_accum, data
+        )
     except UsageError as e:
         return str(e)
     return None
@@ -99,11 +102,19 @@ class Job:
             found = pipeline_problem(self.pipeline, shape, c.n_layers, self.batch_size, self.grad_accum)
             if found:
                 return found
-        found = check_shape_fits(shape, batch_size=self.batch_size, seq_len=self.seq_len, n_heads=c.n_heads,
-                                 n_kv_heads=c.n_kv_heads, mlp_dim=c.mlp_dim, vocab_size=c.vocab_size)
+        found = check_shape_fits(
+            shape,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            n_heads=c.n_heads,
+            n_kv_heads=c.n_kv_heads,
+            mlp_dim=c.mlp_dim,
+            vocab_size=c.vocab_size,
+        )
         if found is None and (self.batch_size // self.grad_accum) % shape.data:
-            found = (f"{self.batch_size // self.grad_accum} rows per micro-batch are not divisible by "
-                     f"dp×fsdp = {shape.data}")
+            found = (
+                f"{self.batch_size // self.grad_accum} rows per micro-batch are not divisible by dp×fsdp = {shape.data}"
+            )
         if found is None:
             for name, size in (("d_model", c.d_model),):
                 if size % (shape.fsdp * shape.sp):

@@ -47,16 +47,46 @@ GPUS = [CATALOG[name] for name in GPU_NAMES]
 # pipelines keep XLA:CPU's.
 PLACES = {
     "cpu": {
-        "forward": {"tables": 3.98, "lookup": -2.0, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 1.10,
-                    "activations": 0.51},
-        "backward": {"logits": 1.53, "lookup": -1.28, "stream": 11.71, "weights": 3.28, "accum": 2.06, "gradients": 0.39,
-                     "activations": 1.10},
+        "forward": {
+            "tables": 3.98,
+            "lookup": -2.0,
+            "stream": 7.88,
+            "layer": 1.09,
+            "accum": 2.23,
+            "gradients": 1.10,
+            "activations": 0.51,
+        },
+        "backward": {
+            "logits": 1.53,
+            "lookup": -1.28,
+            "stream": 11.71,
+            "weights": 3.28,
+            "accum": 2.06,
+            "gradients": 0.39,
+            "activations": 1.10,
+        },
     },
     "tpu": {
-        "forward": {"tables": 2.0, "stream": 7.88, "layer": 1.09, "accum": 2.23, "gradients": 0.90, "activations": 0.51,
-                    "cast_params": 1.0},
-        "backward": {"logits": 0.56, "stream": 7.62, "layer": 1.0, "weights": 3.28, "accum": 2.06, "gradients": 0.21,
-                     "activations": 2.21, "scores": 4.47, "cast_params": 0.0},
+        "forward": {
+            "tables": 2.0,
+            "stream": 7.88,
+            "layer": 1.09,
+            "accum": 2.23,
+            "gradients": 0.90,
+            "activations": 0.51,
+            "cast_params": 1.0,
+        },
+        "backward": {
+            "logits": 0.56,
+            "stream": 7.62,
+            "layer": 1.0,
+            "weights": 3.28,
+            "accum": 2.06,
+            "gradients": 0.21,
+            "activations": 2.21,
+            "scores": 4.47,
+            "cast_params": 0.0,
+        },
     },
 }
 
@@ -111,8 +141,11 @@ def unrolled_places(exact: dict[str, int], sizes: dict[str, int]) -> dict[str, d
     layers = sizes["layers"]
     one_layer_grads, one_layer_acts = sizes["layer_gradients"] // layers, exact["activations"] // layers
     return {
-        "backward start": {**working, "gradients": one_layer_grads + sizes["tables"],
-                           "activations": exact["activations"]},
+        "backward start": {
+            **working,
+            "gradients": one_layer_grads + sizes["tables"],
+            "activations": exact["activations"],
+        },
         "backward end": {**working, "gradients": exact["gradients"], "activations": one_layer_acts},
     }
 
@@ -173,8 +206,14 @@ class MemoryPie:
         return self.params + self.gradients + self.optimizer + self.activations + self.temporaries
 
     def as_dict(self) -> dict[str, int]:
-        return {"params": self.params, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": self.activations, "temporaries": self.temporaries, "total": self.total}
+        return {
+            "params": self.params,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "temporaries": self.temporaries,
+            "total": self.total,
+        }
 
 
 def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
@@ -188,8 +227,13 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
     activations = cfg.n_layers * n * saved_per_token_layer(loc, cfg.remat) * a
     fsdp = shape.fsdp * shape.sp > 1
     stream = n * cfg.d_model * a
-    exact = {"params": state.params_bytes(shape), "gradients": grads, "optimizer": state.optimizer_bytes(shape),
-             "activations": activations, "batch": BATCH_FIELDS * 4 * n * job.grad_accum}
+    exact = {
+        "params": state.params_bytes(shape),
+        "gradients": grads,
+        "optimizer": state.optimizer_bytes(shape),
+        "activations": activations,
+        "batch": BATCH_FIELDS * 4 * n * job.grad_accum,
+    }
     sizes = {
         "logits": n * loc.vocab * 4,
         "tables": loc.w_table * p,
@@ -200,18 +244,25 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
         "accum": grads if job.grad_accum > 1 else 0,
         "gradients": grads,
         "activations": activations,
-        "scores": loc.rows * loc.heads * loc.length ** 2 * 4 if shape.sp > 1 else 0,
+        "scores": loc.rows * loc.heads * loc.length**2 * 4 if shape.sp > 1 else 0,
         "cast_params": exact["params"] * a // p,
         # The layers' share of the gradients (the rest: embedding, head, final norm), for `unrolled_places`.
         "layers": cfg.n_layers,
-        "layer_gradients": grads * cfg.n_layers * loc.w_layer
+        "layer_gradients": grads
+        * cfg.n_layers
+        * loc.w_layer
         // (cfg.n_layers * loc.w_layer + loc.w_table * (1 if cfg.tie_embeddings else 2)),
     }
     return exact, sizes
 
 
-def places(exact: dict[str, int], sizes: dict[str, int], shape: MeshShape, compiler: str = "cpu",
-           loss: dict[str, float] | None = None) -> dict[str, dict[str, int]]:
+def places(
+    exact: dict[str, int],
+    sizes: dict[str, int],
+    shape: MeshShape,
+    compiler: str = "cpu",
+    loss: dict[str, float] | None = None,
+) -> dict[str, dict[str, int]]:
     """Bytes of each buffer each place holds in HBM (place -> term -> bytes) from `terms`' sizes, with the
     temporaries of `compiler`; on hardware with on-chip memory, each place's share on chip as a negative
     "on chip" term, and the loss place (`loss`, default `LOSS_PLACE`)."""

@@ -40,12 +40,26 @@ from meshlm.strategy import DEFAULT
 #   stage        what one stage's backward keeps of its layers for one microbatch (per --remat)
 #   tables       the embedding table or the head gathered whole over fsdp·sp, float32 (fsdp·sp > 1)
 #   weights      one layer's weights or gradient gathered whole over fsdp·sp, float32 (fsdp·sp > 1)
-COEFFS = {"acc_layers": 1.31, "acc_tables": 3.12, "scan": 0.75, "stage_slice": 3.16, "stash": 1.0, "stream": 13.03,
-          "stage": 0.83, "tables": 4.2, "weights": 1.51}
+COEFFS = {
+    "acc_layers": 1.31,
+    "acc_tables": 3.12,
+    "scan": 0.75,
+    "stage_slice": 3.16,
+    "stash": 1.0,
+    "stream": 13.03,
+    "stage": 0.83,
+    "tables": 4.2,
+    "weights": 1.51,
+}
 ACTIVATION_TERMS = ("stash", "stream", "stage")
-NAMES = {"acc_layers": "float32 gradient sums of the layers", "acc_tables": "float32 gradient sums of embedding and head",
-         "scan": "stacked layer gradients of a backward clock", "stage_slice": "one virtual stage's weights",
-         "tables": "embedding and head gathered over fsdp·sp", "weights": "one layer's weights or gradient, gathered"}
+NAMES = {
+    "acc_layers": "float32 gradient sums of the layers",
+    "acc_tables": "float32 gradient sums of embedding and head",
+    "scan": "stacked layer gradients of a backward clock",
+    "stage_slice": "one virtual stage's weights",
+    "tables": "embedding and head gathered over fsdp·sp",
+    "weights": "one layer's weights or gradient, gathered",
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,14 @@ class StageShape:
 
 def stage_shape(job: Job, shape: MeshShape) -> StageShape:
     s = schedule_of(job.pipeline, shape.pp)
-    return StageShape(job.batch_size // s.microbatches, job.seq_len, job.cfg.d_model, shape.data * shape.sp,
-                      job.cfg.n_layers // (shape.pp * s.virtual), job.act_bytes)
+    return StageShape(
+        job.batch_size // s.microbatches,
+        job.seq_len,
+        job.cfg.d_model,
+        shape.data * shape.sp,
+        job.cfg.n_layers // (shape.pp * s.virtual),
+        job.act_bytes,
+    )
 
 
 def in_stage_local(job: Job, shape: MeshShape) -> Local:
@@ -132,8 +152,13 @@ class Stage:
     needs_bytes: int  # what it would need with a stash of its own in-flight size
 
     def as_dict(self) -> dict:
-        return {"rank": self.rank, "layers": [list(r) for r in self.layers], "in_flight_microbatches": self.in_flight,
-                "memory_bytes": self.memory_bytes, "memory_bytes_own_stash": self.needs_bytes}
+        return {
+            "rank": self.rank,
+            "layers": [list(r) for r in self.layers],
+            "in_flight_microbatches": self.in_flight,
+            "memory_bytes": self.memory_bytes,
+            "memory_bytes_own_stash": self.needs_bytes,
+        }
 
 
 @dataclass
@@ -178,13 +203,23 @@ class PipelinePlan:
     def as_dict(self) -> dict:
         s = self.schedule
         return {
-            "pp": s.pp, "schedule": s.name, "microbatches": s.microbatches, "virtual_stages": s.virtual,
-            "clocks": s.clocks, "forward_clocks": self.forward_clocks, "backward_clocks": self.backward_clocks,
-            "bubble": self.bubble, "bubble_schedule": s.bubble(), "bubble_theoretical": s.theoretical_bubble(),
-            "stash_slots": s.act_slots, "cotangent_slots": s.cot_slots,
+            "pp": s.pp,
+            "schedule": s.name,
+            "microbatches": s.microbatches,
+            "virtual_stages": s.virtual,
+            "clocks": s.clocks,
+            "forward_clocks": self.forward_clocks,
+            "backward_clocks": self.backward_clocks,
+            "bubble": self.bubble,
+            "bubble_schedule": s.bubble(),
+            "bubble_theoretical": s.theoretical_bubble(),
+            "stash_slots": s.act_slots,
+            "cotangent_slots": s.cot_slots,
             "transfer_bytes_per_device_per_step": self.transfer_bytes,
-            "transfer_bytes_per_message": self.slot_bytes, "transfer_seconds": self.transfer_s,
-            "transfer_link": self.link, "worst_stage": self.worst.rank,
+            "transfer_bytes_per_message": self.slot_bytes,
+            "transfer_seconds": self.transfer_s,
+            "transfer_link": self.link,
+            "worst_stage": self.worst.rank,
             "stages": [st.as_dict() for st in self.stages],
             "embedding_and_head": "replicated on every stage; every rank runs the head in each backward clock",
         }
@@ -233,8 +268,14 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
     terms = memory_terms(job, shape)
     add("all-reduce", ("pp",), terms["acc_tables"] + 4, 1, "pipeline", "pp: sum the tables' gradients and the loss")
     if s.virtual > 1:  # rank r stores layers r·L/pp .. but runs stages r, r + pp, ...
-        add("all-to-all", ("pp",), 2 * terms["acc_layers"] // 4 * p, 1, "pipeline",
-            "pp: layers to their virtual stages, and their gradients back")
+        add(
+            "all-to-all",
+            ("pp",),
+            2 * terms["acc_layers"] // 4 * p,
+            1,
+            "pipeline",
+            "pp: layers to their virtual stages, and their gradients back",
+        )
     stream = n * E * a
     recompute = 1 if job.cfg.remat != "none" else 0
     clocks_fwd = fwd + bwd * (1 + recompute)  # forward passes of the stage: forward clocks, recomputations
@@ -246,13 +287,29 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
     add("all-reduce", ("tp",), stream, bwd, "lm_head", "tp: input gradient of the head (every backward clock)", False)
     add("all-reduce", ("tp",), 3 * n * 4, bwd, "loss", "tp: softmax statistics over vocab shards", False)
     if shape.sp > 1:  # RingAttention, as `meshlm.plan.comms.predict` counts it, per clock
-        kv, kv32, ids, hops = n * loc.kv_heads * job.cfg.head_dim * a, n * loc.kv_heads * job.cfg.head_dim * 4, n * 4, shape.sp
+        kv, kv32, ids, hops = (
+            n * loc.kv_heads * job.cfg.head_dim * a,
+            n * loc.kv_heads * job.cfg.head_dim * 4,
+            n * 4,
+            shape.sp,
+        )
         add("collective-permute", ("sp",), 2 * kv, hops * Ls * clocks_fwd, "attention", "ring: pass k, v (forward)")
-        add("collective-permute", ("sp",), 2 * kv + 2 * ids + 2 * kv32, hops * Ls * bwd, "attention",
-            "ring: pass k, v, ids and dk, dv accumulators (backward)")
+        add(
+            "collective-permute",
+            ("sp",),
+            2 * kv + 2 * ids + 2 * kv32,
+            hops * Ls * bwd,
+            "attention",
+            "ring: pass k, v, ids and dk, dv accumulators (backward)",
+        )
         add("collective-permute", ("sp",), 2 * kv32, Ls * bwd, "attention", "ring: send dk, dv home")
     F = ("fsdp", "sp")
-    for op, w in (("attn.qkv", loc.w_qkv), ("attn.out", loc.w_out), ("mlp.in", loc.w_mlp_in), ("mlp.down", loc.w_mlp_out)):
+    for op, w in (
+        ("attn.qkv", loc.w_qkv),
+        ("attn.out", loc.w_out),
+        ("mlp.in", loc.w_mlp_in),
+        ("mlp.down", loc.w_mlp_out),
+    ):
         if shape.fsdp * shape.sp > 1:
             add("all-gather", F, w * p, Ls * (fwd + 2 * bwd), op, "fsdp: gather the stage's weights each clock")
             add("reduce-scatter", F, w * p, Ls * bwd, op, "fsdp: reduce-scatter weight gradients each backward clock")
@@ -261,7 +318,14 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
         else:  # a stage of one layer: XLA sums the accumulated gradients once, after the clocks
             add("all-reduce", ("dp",), w * p / (shape.fsdp * shape.sp) * s.virtual, 1, op, "dp: sum weight gradients")
     add("all-gather", F, loc.w_table * p, 2, "embed", "fsdp: gather the embedding table and head")
-    add("all-reduce", ("dp", "fsdp", "sp"), 2 * loc.w_table * p, bwd, "embed", "sum the tables' gradients over the data axes")
+    add(
+        "all-reduce",
+        ("dp", "fsdp", "sp"),
+        2 * loc.w_table * p,
+        bwd,
+        "embed",
+        "sum the tables' gradients over the data axes",
+    )
     return list(out)
 
 
@@ -284,7 +348,9 @@ def operator_flops(job: Job, shape: MeshShape) -> dict[str, float]:
     return out
 
 
-def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[comms.Collective]) -> list[cost.Operator]:
+def operator_table(
+    job: Job, shape: MeshShape, hw: Hardware, collectives: list[comms.Collective]
+) -> list[cost.Operator]:
     """The rated operator table of a pipelined step: the rows of `meshlm.plan.cost` with the FLOPs of
     `operator_flops`, and a row for the stage transfers."""
     flops = operator_flops(job, shape)
@@ -292,8 +358,11 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     rows = {name: (text, cast(float, flops.get(name, f))) for name, (text, f) in cost.operator_rows(job, shape).items()}
     s = schedule_of(job.pipeline, shape.pp)
     x = cost.notation(axes.STREAM, DEFAULT.activations, shape)
-    rows["pipeline"] = (f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
-                        f" of {job.batch_size // s.microbatches} rows, ring over pp)", 0.0)
+    rows["pipeline"] = (
+        f"{x} → next stage, its cotangent → previous ({s.name}, {s.microbatches} microbatches"
+        f" of {job.batch_size // s.microbatches} rows, ring over pp)",
+        0.0,
+    )
     fwd, bwd = clock_counts(s)
     # Attention's ring loops: once per forward clock; the recomputed forward and the backward (and the
     # stage's remat policy once more) per backward clock.
@@ -307,7 +376,9 @@ def elementwise_bytes(job: Job, shape: MeshShape) -> float:
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     fwd, bwd = clock_counts(s)
-    per_clock = st.layers * st.tokens // st.split * saved_per_token_layer(in_stage_local(job, shape), "none") * job.act_bytes
+    per_clock = (
+        st.layers * st.tokens // st.split * saved_per_token_layer(in_stage_local(job, shape), "none") * job.act_bytes
+    )
     return per_clock * (fwd + 3 * bwd)
 
 

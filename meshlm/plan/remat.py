@@ -16,7 +16,10 @@ from meshlm.models.remat import POLICIES  # least recomputation first
 from meshlm.plan import estimate
 from meshlm.plan.job import Job
 
-CPU_POLICIES = ("save_qkv_attn", "full")  # XLA:CPU past a kept block of scratch: recomputing beats storing (meshlm.job.auto_remat)
+CPU_POLICIES = (
+    "save_qkv_attn",
+    "full",
+)  # XLA:CPU past a kept block of scratch: recomputing beats storing (meshlm.job.auto_remat)
 ACCUMS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -31,8 +34,9 @@ def variants(job: Job, shape: MeshShape):
     if job.cfg.remat != "auto":
         yield [job]
         return
-    accums = [job.grad_accum] if shape.pp > 1 else \
-        [a for a in ACCUMS if a >= job.grad_accum and job.batch_size % a == 0]
+    accums = (
+        [job.grad_accum] if shape.pp > 1 else [a for a in ACCUMS if a >= job.grad_accum and job.batch_size % a == 0]
+    )
     for accum in accums:
         trial = replace(job, grad_accum=accum)
         if accum != job.grad_accum and trial.problem(shape):
@@ -40,8 +44,9 @@ def variants(job: Job, shape: MeshShape):
         yield [with_remat(trial, p) for p in POLICIES]
 
 
-def first_fitting(job: Job, shape: MeshShape, budget_bytes: float,
-                  policies: tuple[str, ...] = POLICIES, compiler: str = "cpu") -> tuple[str, float]:
+def first_fitting(
+    job: Job, shape: MeshShape, budget_bytes: float, policies: tuple[str, ...] = POLICIES, compiler: str = "cpu"
+) -> tuple[str, float]:
     """(policy, predicted peak bytes per device): the first of `policies` (least recomputation first)
     whose peak fits `budget_bytes`, else `full` (the smallest) with its peak, for the caller to report."""
     peak = 0.0

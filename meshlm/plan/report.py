@@ -37,7 +37,7 @@ def _gb(n: float) -> str:
 
 
 def _pie(memory: dict) -> str:
-    """"a + b + c + d + e" of the PIE parts; a negative part (temporaries where on-chip memory holds
+    """ "a + b + c + d + e" of the PIE parts; a negative part (temporaries where on-chip memory holds
     gradients or activations at the peak) as "- e"."""
     parts = [_gb(memory[PIE[0]])]
     for key in PIE[1:]:
@@ -61,12 +61,26 @@ def _pct(x: float | None) -> str:
 
 def _operator_json(op) -> dict[str, Any]:
     return {
-        "name": op.name, "notation": op.notation, "flops_per_device": op.flops,
-        "compute_seconds": op.compute_s, "communication_seconds": op.comm_s,
-        "arithmetic_intensity_flops_per_byte": op.intensity, "hardware_intensity_flops_per_byte": op.ridge,
-        "link": op.link or None, "communication_bound": op.comm_bound, "fix": op.fix or None,
-        "collectives": [{"kind": c.kind, "axes": list(c.axes), "payload_bytes": c.payload, "count_per_step": c.count,
-                         "what": c.what} for c in op.collectives],
+        "name": op.name,
+        "notation": op.notation,
+        "flops_per_device": op.flops,
+        "compute_seconds": op.compute_s,
+        "communication_seconds": op.comm_s,
+        "arithmetic_intensity_flops_per_byte": op.intensity,
+        "hardware_intensity_flops_per_byte": op.ridge,
+        "link": op.link or None,
+        "communication_bound": op.comm_bound,
+        "fix": op.fix or None,
+        "collectives": [
+            {
+                "kind": c.kind,
+                "axes": list(c.axes),
+                "payload_bytes": c.payload,
+                "count_per_step": c.count,
+                "what": c.what,
+            }
+            for c in op.collectives
+        ],
     }
 
 
@@ -104,8 +118,10 @@ def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int, hw: Hardw
             "memory_bytes_per_device": c["peak_memory_bytes"],
             "collective_bytes_per_device_per_step": c["collective_bytes"],
         }
-        out["error_percent"] = {"memory_bytes_per_device": c["error_percent"]["peak_memory"],
-                                "collective_bytes_per_device_per_step": c["error_percent"]["collective_bytes"]}
+        out["error_percent"] = {
+            "memory_bytes_per_device": c["error_percent"]["peak_memory"],
+            "collective_bytes_per_device_per_step": c["error_percent"]["collective_bytes"],
+        }
         if "stage_transfer_bytes" in c:
             out["compiled"]["stage_transfer_bytes_per_device_per_step"] = c["stage_transfer_bytes"]
             out["error_percent"]["stage_transfer_bytes_per_device_per_step"] = c["error_percent"]["stage_transfers"]
@@ -115,18 +131,38 @@ def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int, hw: Hardw
 def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str], model_flags: list[str]) -> dict:
     c = job.cfg
     return {
-        "job": {"model": " ".join(model_flags), "parameters": c.num_params(), "n_layers": c.n_layers,
-                "batch_size": job.batch_size, "seq_len": job.seq_len, "grad_accum": job.grad_accum,
-                "devices": job.n_devices, "dtype": c.dtype, "param_dtype": c.param_dtype, "remat": c.remat,
-                "tokens_per_step": job.tokens,
-                "pipeline": {"schedule": job.pipeline.schedule, "microbatches": job.pipeline.microbatches,
-                             "virtual_stages": job.pipeline.virtual_stages}},
-        "hardware": {"name": hw.name, "peak_flops_per_second": hw.peak_flops(c.dtype), "peak_source": hw.peak_source, "memory_bytes": hw.hbm_bytes,
-                     "memory_fraction": hw.memory_fraction,
-                     "memory_bytes_per_second": hw.hbm_bandwidth, "fast_link": hw.fast_name,
-                     "fast_link_bytes_per_second": hw.fast_bandwidth, "slow_link": hw.slow_name,
-                     "slow_link_bytes_per_second": hw.slow_bandwidth, "fast_domain_devices": hw.fast_domain,
-                     "source": hw.source},
+        "job": {
+            "model": " ".join(model_flags),
+            "parameters": c.num_params(),
+            "n_layers": c.n_layers,
+            "batch_size": job.batch_size,
+            "seq_len": job.seq_len,
+            "grad_accum": job.grad_accum,
+            "devices": job.n_devices,
+            "dtype": c.dtype,
+            "param_dtype": c.param_dtype,
+            "remat": c.remat,
+            "tokens_per_step": job.tokens,
+            "pipeline": {
+                "schedule": job.pipeline.schedule,
+                "microbatches": job.pipeline.microbatches,
+                "virtual_stages": job.pipeline.virtual_stages,
+            },
+        },
+        "hardware": {
+            "name": hw.name,
+            "peak_flops_per_second": hw.peak_flops(c.dtype),
+            "peak_source": hw.peak_source,
+            "memory_bytes": hw.hbm_bytes,
+            "memory_fraction": hw.memory_fraction,
+            "memory_bytes_per_second": hw.hbm_bandwidth,
+            "fast_link": hw.fast_name,
+            "fast_link_bytes_per_second": hw.fast_bandwidth,
+            "slow_link": hw.slow_name,
+            "slow_link_bytes_per_second": hw.slow_bandwidth,
+            "fast_domain_devices": hw.fast_domain,
+            "source": hw.source,
+        },
         "recommended": train_command(job, plans[0], model_flags, hw),
         "plans": [plan_json(job, p, model_flags, i + 1, hw) for i, p in enumerate(plans)],
         "rejected_meshes": rejected,
@@ -145,23 +181,40 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
         if not console.is_terminal:  # a log file or a pipe: wide enough for one row per mesh
             console = Console(width=160)
     c = job.cfg
-    console.print(f"[bold]{' '.join(model_flags)}[/]: {count_params(c.num_params())} parameters; batch {job.batch_size} × "
-                  f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
-                  f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
-                  f"device); remat {c.remat}", highlight=False)
-    console.print(f"MFU peak: {hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s per device ({hw.peak_source})", highlight=False)
+    console.print(
+        f"[bold]{' '.join(model_flags)}[/]: {count_params(c.num_params())} parameters; batch {job.batch_size} × "
+        f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
+        f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
+        f"device); remat {c.remat}",
+        highlight=False,
+    )
+    console.print(
+        f"MFU peak: {hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s per device ({hw.peak_source})", highlight=False
+    )
     shown = plans[:top]
     verified = any(p.compiled for p in shown)
     staged = any(p.pipeline for p in shown)
     onchip = any(p.memory.temporaries < 0 for p in shown)
-    table = Table(title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
-                        "(params + gradients + optimizer + activations + temporaries"
-                        + ("; temporaries below 0: gradients or activations held in on-chip memory at the peak"
-                           if onchip else "") + ")")
+    table = Table(
+        title=f"{len(plans)} meshes, best {min(top, len(plans))}; memory in GB per device "
+        "(params + gradients + optimizer + activations + temporaries"
+        + ("; temporaries below 0: gradients or activations held in on-chip memory at the peak" if onchip else "")
+        + ")"
+    )
     searched = c.remat == "auto"  # each row's policy (and micro-batches) is the search's
-    columns = ["#", "mesh_dim", *(("pp", "bubble", "xfer GB") if staged else ()), *(("remat",) if searched else ()),
-               "memory", "pie", "fits", "step s",
-               "tokens/s", "MFU", "comm-bound"]
+    columns = [
+        "#",
+        "mesh_dim",
+        *(("pp", "bubble", "xfer GB") if staged else ()),
+        *(("remat",) if searched else ()),
+        "memory",
+        "pie",
+        "fits",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "comm-bound",
+    ]
     for col in columns:
         table.add_column(col, justify="left" if col in ("mesh_dim", "pp", "pie", "comm-bound") else "right")
     if verified:
@@ -172,17 +225,38 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
         row = [str(i), p.mesh_dim]
         if staged:
             pl = p.pipeline
-            row += ([f"{pl.pp} {pl.schedule.name} M={pl.microbatches}" + (f" V={pl.schedule.virtual}" if pl.schedule.virtual > 1 else ""),
-                     f"{pl.bubble:.0%}", _gb(pl.transfer_bytes)] if pl else ["-", "-", "-"])
+            row += (
+                [
+                    f"{pl.pp} {pl.schedule.name} M={pl.microbatches}"
+                    + (f" V={pl.schedule.virtual}" if pl.schedule.virtual > 1 else ""),
+                    f"{pl.bubble:.0%}",
+                    _gb(pl.transfer_bytes),
+                ]
+                if pl
+                else ["-", "-", "-"]
+            )
         if searched:
             row.append(p.job.cfg.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
-        row += [_gb(m["total"]), _pie(m), "yes" if p.fits else "[red]no[/]",
-                f"{p.time.step_s:.3g}", f"{p.time.tokens_per_s:,.0f}", f"{p.time.mfu:.0%}",
-                ", ".join(op.name for op in p.comm_bound) or "-"]
+        row += [
+            _gb(m["total"]),
+            _pie(m),
+            "yes" if p.fits else "[red]no[/]",
+            f"{p.time.step_s:.3g}",
+            f"{p.time.tokens_per_s:,.0f}",
+            f"{p.time.mfu:.0%}",
+            ", ".join(op.name for op in p.comm_bound) or "-",
+        ]
         if verified:
             comp = p.compiled
-            row += ([_gb(comp["peak_memory_bytes"]), _pct(comp["error_percent"]["peak_memory"]),
-                     _pct(comp["error_percent"]["collective_bytes"])] if comp else ["", "", ""])
+            row += (
+                [
+                    _gb(comp["peak_memory_bytes"]),
+                    _pct(comp["error_percent"]["peak_memory"]),
+                    _pct(comp["error_percent"]["collective_bytes"]),
+                ]
+                if comp
+                else ["", "", ""]
+            )
             if staged:
                 row.append(_pct(comp["error_percent"].get("stage_transfers")) if comp else "")
         table.add_row(*row)
@@ -192,16 +266,23 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
         print_stages(first_staged, console)
 
     best = plans[0]
-    ops = Table(title=f"operators of --mesh_dim={best.mesh_dim}, per device per step "
-                      "(intensity: FLOPs per byte sent on its busiest link)")
+    ops = Table(
+        title=f"operators of --mesh_dim={best.mesh_dim}, per device per step "
+        "(intensity: FLOPs per byte sent on its busiest link)"
+    )
     for col in ("operator", "sharding", "TFLOPs", "comm GB", "intensity", "hardware", "bound"):
         ops.add_column(col, justify="right" if col in ("TFLOPs", "comm GB", "intensity", "hardware") else "left")
     for op in best.operators:
         sent = sum(col.total for col in op.collectives)
-        ops.add_row(op.name, op.notation, f"{op.flops / 1e12:.3g}", f"{sent / 1e9:.3g}",
-                    "-" if op.intensity is None else f"{op.intensity:,.0f}",
-                    "-" if op.ridge is None else f"{op.ridge:,.0f} {op.link}",
-                    "[red]communication[/]" if op.comm_bound else ("compute" if op.flops else "-"))
+        ops.add_row(
+            op.name,
+            op.notation,
+            f"{op.flops / 1e12:.3g}",
+            f"{sent / 1e9:.3g}",
+            "-" if op.intensity is None else f"{op.intensity:,.0f}",
+            "-" if op.ridge is None else f"{op.ridge:,.0f} {op.link}",
+            "[red]communication[/]" if op.comm_bound else ("compute" if op.flops else "-"),
+        )
     console.print(ops)
     for op in best.comm_bound:
         console.print(f"{op.name} is communication-bound on {op.link}: {op.fix}", highlight=False)
@@ -215,26 +296,39 @@ def print_stages(plan: Plan, console) -> None:
     pl = plan.pipeline
     assert pl is not None, "print_stages is for a pp plan"
     s = pl.schedule
-    console.print(f"pipeline of {plan.shape.flags}: {s.name}, {s.pp} stages"
-                  + (f" × {s.virtual} virtual" if s.virtual > 1 else "")
-                  + f", {s.microbatches} microbatches, {s.clocks} clocks ({pl.forward_clocks} with a forward, "
-                  f"{pl.backward_clocks} with a backward); bubble {pl.bubble:.1%} with the predicted clock times "
-                  f"(the schedule's {s.bubble():.1%} at backward = 2 × forward; (p-1)/(m·v+p-1) = "
-                  f"{s.theoretical_bubble():.1%}); idle ranks compute on a trash slot, so the bubble costs "
-                  "compute time", highlight=False)
-    console.print(f"stage transfers: {pl.forward_clocks + pl.backward_clocks} messages of "
-                  f"{pl.slot_bytes / 1e6:.3g} MB per device per step ({pl.transfer_bytes / 1e9:.3g} GB), "
-                  f"{pl.transfer_s:.3g} s on {pl.link}; embedding and head: replicated on every stage, every "
-                  "rank runs the head in each backward clock", highlight=False)
-    table = Table(title=f"stages of {plan.shape.flags} (every rank allocates the busiest rank's stash: "
-                        f"{s.act_slots} + 1 trash slots)")
+    console.print(
+        f"pipeline of {plan.shape.flags}: {s.name}, {s.pp} stages"
+        + (f" × {s.virtual} virtual" if s.virtual > 1 else "")
+        + f", {s.microbatches} microbatches, {s.clocks} clocks ({pl.forward_clocks} with a forward, "
+        f"{pl.backward_clocks} with a backward); bubble {pl.bubble:.1%} with the predicted clock times "
+        f"(the schedule's {s.bubble():.1%} at backward = 2 × forward; (p-1)/(m·v+p-1) = "
+        f"{s.theoretical_bubble():.1%}); idle ranks compute on a trash slot, so the bubble costs "
+        "compute time",
+        highlight=False,
+    )
+    console.print(
+        f"stage transfers: {pl.forward_clocks + pl.backward_clocks} messages of "
+        f"{pl.slot_bytes / 1e6:.3g} MB per device per step ({pl.transfer_bytes / 1e9:.3g} GB), "
+        f"{pl.transfer_s:.3g} s on {pl.link}; embedding and head: replicated on every stage, every "
+        "rank runs the head in each backward clock",
+        highlight=False,
+    )
+    table = Table(
+        title=f"stages of {plan.shape.flags} (every rank allocates the busiest rank's stash: "
+        f"{s.act_slots} + 1 trash slots)"
+    )
     for col in ("rank", "layers", "in flight", "memory GB", "memory with own stash GB"):
         table.add_column(col, justify="left" if col == "layers" else "right")
     worst = pl.worst.rank
     for st in pl.stages:
         layers = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in st.layers)
-        table.add_row(f"{st.rank}" + (" (limits)" if st.rank == worst else ""), layers, str(st.in_flight),
-                      _gb(st.memory_bytes), _gb(st.needs_bytes))
+        table.add_row(
+            f"{st.rank}" + (" (limits)" if st.rank == worst else ""),
+            layers,
+            str(st.in_flight),
+            _gb(st.memory_bytes),
+            _gb(st.needs_bytes),
+        )
     console.print(table)
 
 
@@ -256,8 +350,10 @@ def figure(job: Job, hw: Hardware, plans: list[Plan], top: int):
     from matplotlib.figure import Figure
 
     shown = plans[:top]
-    labels = [p.label + (f" {p.pipeline.schedule.name}" if p.pipeline else "") + ("" if p.fits else " (no fit)")
-              for p in shown]
+    labels = [
+        p.label + (f" {p.pipeline.schedule.name}" if p.pipeline else "") + ("" if p.fits else " (no fit)")
+        for p in shown
+    ]
     fig = Figure(figsize=(max(8, 0.7 * len(shown) + 4), 4.5), dpi=100)
     FigureCanvasAgg(fig)
     mem, step = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
@@ -270,16 +366,27 @@ def figure(job: Job, hw: Hardware, plans: list[Plan], top: int):
     device_gb = hw.hbm_bytes / 1e9
     if tallest > 0 and device_gb > 4 * tallest:  # the line would squash the bars flat: say it instead
         mem.set_ylim(0, tallest * 1.25)
-        mem.text(0.02, 0.97, f"{hw.name} memory: {device_gb:.3g} GB per device (above this scale)",
-                 transform=mem.transAxes, va="top", fontsize=8)
+        mem.text(
+            0.02,
+            0.97,
+            f"{hw.name} memory: {device_gb:.3g} GB per device (above this scale)",
+            transform=mem.transAxes,
+            va="top",
+            fontsize=8,
+        )
     else:
         mem.axhline(device_gb, color="black", linestyle="--", linewidth=1, label=f"{hw.name} memory")
     mem.set_ylabel("GB per device")
     mem.set_title("memory per device")
     compute = [p.time.compute_s for p in shown]
     step.bar(labels, compute, label="compute", color="tab:green")
-    step.bar(labels, [p.time.exposed_comm_s for p in shown], bottom=compute, label="exposed communication",
-             color="tab:orange")
+    step.bar(
+        labels,
+        [p.time.exposed_comm_s for p in shown],
+        bottom=compute,
+        label="exposed communication",
+        color="tab:orange",
+    )
     if any(p.pipeline for p in shown):  # the share of compute the pipeline bubble takes
         bubble = [p.time.compute_s * p.pipeline.bubble if p.pipeline else 0.0 for p in shown]
         step.bar(labels, bubble, color="none", edgecolor="black", hatch="//", linewidth=0.5, label="pipeline bubble")
@@ -290,7 +397,9 @@ def figure(job: Job, hw: Hardware, plans: list[Plan], top: int):
         ax.set_xlabel("--mesh_dim (dp,fsdp,tp,sp)" + (", pp stages" if any(p.pipeline for p in shown) else ""))
         # Legends under the panels, never over the bars; the saved figure grows to hold them.
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=3, frameon=False)
-    fig.suptitle(f"{count_params(job.cfg.num_params())} parameters, batch {job.batch_size} × {job.seq_len} on "
-                 f"{job.n_devices} × {hw.name}")
+    fig.suptitle(
+        f"{count_params(job.cfg.num_params())} parameters, batch {job.batch_size} × {job.seq_len} on "
+        f"{job.n_devices} × {hw.name}"
+    )
     fig.tight_layout()
     return fig

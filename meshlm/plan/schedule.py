@@ -49,11 +49,20 @@ def rank_load(schedule: Schedule) -> list[dict]:
         mine = [k for k in range(S) if k % pp == r]
         flying = ((fwd_at[mine][None] <= clocks) & (clocks < bwd_at[mine][None])).sum(axis=(1, 2))
         held = [k for k in mine if k > 0]  # stage 0 recomputes its input from the tokens: no stash
-        stashed = ((fwd_at[[k - 1 for k in held]][None] <= clocks) & (clocks < bwd_at[held][None])).sum(axis=(1, 2)) \
-            if held else np.zeros(1, int)
-        out.append(dict(rank=r, in_flight=int(np.max(flying)), stash=int(np.max(stashed)),
-                        acts_sent=int(sum(schedule.microbatches for k in mine if k < S - 1)),
-                        cots_sent=int(sum(schedule.microbatches for k in mine if k > 0))))
+        stashed = (
+            ((fwd_at[[k - 1 for k in held]][None] <= clocks) & (clocks < bwd_at[held][None])).sum(axis=(1, 2))
+            if held
+            else np.zeros(1, int)
+        )
+        out.append(
+            dict(
+                rank=r,
+                in_flight=int(np.max(flying)),
+                stash=int(np.max(stashed)),
+                acts_sent=int(sum(schedule.microbatches for k in mine if k < S - 1)),
+                cots_sent=int(sum(schedule.microbatches for k in mine if k > 0)),
+            )
+        )
     return out
 
 

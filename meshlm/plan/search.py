@@ -116,14 +116,16 @@ def _rank_key(plan: Plan):
     return (not plan.fits, plan.time.step_s, -plan.shape.fsdp, plan.memory.total)
 
 
-def candidate_shapes(job: Job, mesh_dim: MeshShape | None = None,
-                     pps: tuple[int, ...] = (1,)) -> tuple[list[MeshShape], dict[str, str]]:
+def candidate_shapes(
+    job: Job, mesh_dim: MeshShape | None = None, pps: tuple[int, ...] = (1,)
+) -> tuple[list[MeshShape], dict[str, str]]:
     """Meshes that can run the job (with each pipeline size in `pps`), and why each other one cannot."""
     if mesh_dim is not None:
         shapes = [mesh_dim]
     else:
-        shapes = [replace(s, pp=pp) for pp in pps if job.n_devices % pp == 0
-                  for s in all_mesh_shapes(job.n_devices // pp)]
+        shapes = [
+            replace(s, pp=pp) for pp in pps if job.n_devices % pp == 0 for s in all_mesh_shapes(job.n_devices // pp)
+        ]
     valid, rejected = [], {}
     for shape in shapes:
         problem = job.problem(shape)
@@ -139,8 +141,9 @@ def auto_pps(job: Job) -> tuple[int, ...]:
     return (1, *pipeline.pp_candidates(job.n_devices, job.cfg.n_layers, job.pipeline.virtual_stages))
 
 
-def search(job: Job, hw: Hardware, mesh_dim: MeshShape | None = None,
-           pps: tuple[int, ...] = (1,)) -> tuple[list[Plan], dict[str, str]]:
+def search(
+    job: Job, hw: Hardware, mesh_dim: MeshShape | None = None, pps: tuple[int, ...] = (1,)
+) -> tuple[list[Plan], dict[str, str]]:
     """Ranked plans (best first) and the rejected meshes with their reason; `pps`: the pipeline sizes
     to consider when no mesh is given.
 
@@ -162,27 +165,36 @@ def _gb(n: float) -> str:
 def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | None, pps: tuple[int, ...]) -> str:
     if mesh_dim is not None:
         others, _ = candidate_shapes(job, pps=(mesh_dim.pp,))
-        hint = ("meshes that work: " + ", ".join(s.flags for s in others[:3])) if others else \
-            "no mesh of these devices works either"
+        hint = (
+            ("meshes that work: " + ", ".join(s.flags for s in others[:3]))
+            if others
+            else "no mesh of these devices works either"
+        )
         return f"{mesh_dim.flags}: {rejected[label(mesh_dim)]}; {hint}"
     if pps != (1,):
         first = next(iter(rejected.items()))
         which = f"--pp={pps[0]}" if len(pps) == 1 else "--pp=auto"
-        return (f"{which}: no mesh of {job.n_devices} devices can run this job (e.g. {first[0]}: {first[1]}); "
-                "change --microbatches, --batch_size or the devices")
+        return (
+            f"{which}: no mesh of {job.n_devices} devices can run this job (e.g. {first[0]}: {first[1]}); "
+            "change --microbatches, --batch_size or the devices"
+        )
     # Every mesh failed: the cheapest fix is usually a batch that covers the data axes.
     c = job.cfg
     model_parallel = max(math.gcd(job.n_devices, math.gcd(c.n_heads, math.gcd(c.mlp_dim, c.vocab_size))), 1)
     need = max(1, job.n_devices // model_parallel) * job.grad_accum
-    return (f"no mesh of {job.n_devices} devices can run this job (e.g. {next(iter(rejected.values()))}); "
-            f"raise --batch_size to a multiple of {need}, or use fewer --devices")
+    return (
+        f"no mesh of {job.n_devices} devices can run this job (e.g. {next(iter(rejected.values()))}); "
+        f"raise --batch_size to a multiple of {need}, or use fewer --devices"
+    )
 
 
 def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None, pps: tuple[int, ...] = (1,)) -> str:
     budget, compiler = fit.usable_bytes(hw.hbm_bytes), memory.compiler_for(hw.name)
     searched = job.cfg.remat == "auto"
-    head = (f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}"
-            f"{' --remat=' + best.job.cfg.remat if searched else ''}) needs {_gb(best.memory.total)} per device")
+    head = (
+        f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}"
+        f"{' --remat=' + best.job.cfg.remat if searched else ''}) needs {_gb(best.memory.total)} per device"
+    )
     if searched:  # every policy and more micro-batches were tried: what is left is more devices or pipelines
         job = best.job
     tries = []
@@ -194,7 +206,7 @@ def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None
     if mesh_dim is None and job.grad_accum == 1:  # pipeline stages, when the plan did not consider them
         tries += [(f"--pp={pp}", job, (pp,)) for pp in auto_pps(job)[1:] if pp not in pps]
     # Simulated CPU devices share one host's memory: more of them hold no more.
-    for factor in (() if hw.name == "cpu" else (2, 4, 8, 16)):
+    for factor in () if hw.name == "cpu" else (2, 4, 8, 16):
         tries.append((f"--devices={job.n_devices * factor}", replace(job, n_devices=job.n_devices * factor), pps))
     for flag, trial, trial_pps in tries:
         shapes = [mesh_dim] if mesh_dim is not None and trial.n_devices == job.n_devices else None

@@ -57,8 +57,9 @@ def local_elements(leaf: Leaf, sizes: dict[str, int], strategy: sharding.Strateg
 class StateBytes:
     """Per-device bytes of the train state of one model and optimizer, for any mesh shape."""
 
-    def __init__(self, cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                 strategy: sharding.Strategy = DEFAULT):
+    def __init__(
+        self, cfg: ModelConfig, optimizer: optax.GradientTransformation, strategy: sharding.Strategy = DEFAULT
+    ):
         from meshlm.models.placement import place
 
         self.strategy = strategy
@@ -69,8 +70,7 @@ class StateBytes:
         self.params = [Leaf(p.shape, np.dtype(p.dtype).itemsize, tuple(spec)) for p, spec in zip(params, logical)]
         index = jax.tree.unflatten(treedef, list(range(len(params))))
         opt_shapes = jax.eval_shape(optimizer.init, placement.shapes)
-        follows = optax.tree_map_params(optimizer, lambda _, i: i, opt_shapes, index,
-                                        transform_non_params=lambda _: -1)
+        follows = optax.tree_map_params(optimizer, lambda _, i: i, opt_shapes, index, transform_non_params=lambda _: -1)
         self.opt = [
             Leaf(s.shape, np.dtype(s.dtype).itemsize, self.params[i].logical if i >= 0 else None)
             for s, i in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(follows))

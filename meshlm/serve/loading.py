@@ -46,9 +46,18 @@ def read_chat_template(files: dict[str, Path]) -> str | None:
     return template_in_config(json.loads(config.read_text()))
 
 
-def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str = "auto",
-               max_batch: int | None = None, max_seq_len: int | None = None, step: int | None = None, tokenizer: str | None = None,
-               name: str | None = None, base: str | Path | None = None):
+def load_model(
+    checkpoint: str | Path,
+    *,
+    mesh_dim: str = "1,1,-1,1",
+    dtype: str = "auto",
+    max_batch: int | None = None,
+    max_seq_len: int | None = None,
+    step: int | None = None,
+    tokenizer: str | None = None,
+    name: str | None = None,
+    base: str | Path | None = None,
+):
     """(LoadedModel, meshlm.job.Job): weights from any source meshlm reads, each device reading only
     its own shards, on the mesh `mesh_dim` of the devices JAX has. `base`: for a LoRA run's
     checkpoint, the base model folder when it is no longer where the run recorded it."""
@@ -63,17 +72,24 @@ def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str
     if meta is not None:
         if base is not None and str(base).startswith("hf:"):
             base = Path(str(base)[3:]).expanduser()
-        job = resolve_serving(config_from_meta(meta["model"]), mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch,
-                              max_seq_len=max_seq_len)
+        job = resolve_serving(
+            config_from_meta(meta["model"]),
+            mesh_dim=mesh_dim,
+            dtype=dtype,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+        )
         params, carried = merged_params(job, path, step, meta, base)
         files = _tokenizer_files(carried)
     else:
         with open_source(path, step) as source:
             if base is not None:
-                raise UsageError(f"--base={base} is only for a LoRA run's checkpoint, and {path} holds whole "
-                                 "weights; drop --base")
-            job = resolve_serving(source.cfg, mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch,
-                                  max_seq_len=max_seq_len)
+                raise UsageError(
+                    f"--base={base} is only for a LoRA run's checkpoint, and {path} holds whole weights; drop --base"
+                )
+            job = resolve_serving(
+                source.cfg, mesh_dim=mesh_dim, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len
+            )
             params = source.load(job.placement)
             files = _tokenizer_files(source.carried)
     cfg = job.model
@@ -85,8 +101,10 @@ def load_model(checkpoint: str | Path, *, mesh_dim: str = "1,1,-1,1", dtype: str
     else:
         raise UsageError(f"{path} has no tokenizer.json beside its weights; pass --tokenizer=PATH/tokenizer.json")
     if tok.vocab_size > cfg.vocab_size:
-        raise UsageError(f"the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size}; "
-                         "pass the tokenizer this model was trained with (--tokenizer)")
+        raise UsageError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size}; "
+            "pass the tokenizer this model was trained with (--tokenizer)"
+        )
     model_name = name or (path.name if path.name not in ("checkpoints", "") and not path.name.isdigit() else str(path))
     return LoadedModel(cfg, job.placement, params, tok, model_name, read_chat_template(files)), job
 

@@ -16,8 +16,9 @@ from meshlm.strategy.rules import LayerGroup, Rules, load
 from meshlm.strategy.zero import check_pipelined, with_zero_stage
 
 
-def choose(strategy: str = "default", zero_stage: int | None = None,
-           rules_file: str | None = None) -> tuple[Strategy, Rules | None]:
+def choose(
+    strategy: str = "default", zero_stage: int | None = None, rules_file: str | None = None
+) -> tuple[Strategy, Rules | None]:
     rules = load(rules_file) if rules_file else None
 
     def make(name: str) -> Strategy:

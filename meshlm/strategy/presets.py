@@ -23,7 +23,15 @@ from meshlm.errors import UsageError, closest
 from meshlm.sharding import Strategy
 
 ALL = ("dp", "fsdp", "tp", "sp")
-_WHOLE = {"heads": None, "kv_heads": None, "mlp": None, "vocab": None, "head_dim": None, "layers": "pp", "lora_rank": None}
+_WHOLE = {
+    "heads": None,
+    "kv_heads": None,
+    "mlp": None,
+    "vocab": None,
+    "head_dim": None,
+    "layers": "pp",
+    "lora_rank": None,
+}
 _TP = {**_WHOLE, "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"}
 
 
@@ -31,8 +39,15 @@ def _acts(batch, length=None, model=_WHOLE) -> dict:
     return {**model, "batch": batch, "length": length, "cache_length": length, "embed": None, "layers": None}
 
 
-_MODEL_PARALLEL = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "head_dim": None, "layers": None,
-                   "lora_rank": None}
+_MODEL_PARALLEL = {
+    "heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+    "vocab": "tp",
+    "head_dim": None,
+    "layers": None,
+    "lora_rank": None,
+}
 
 DEFAULT = Strategy(
     name="default",
@@ -44,35 +59,50 @@ DEFAULT = Strategy(
     doc="batch over (dp, fsdp); length over sp; weights' embed over (fsdp, sp); heads, kv_heads, mlp, vocab over tp",
 )
 
-PRESETS: dict[str, Strategy] = {s.name: s for s in (
-    DEFAULT,
-    Strategy(
-        "dp", params={**_WHOLE, "embed": None}, activations=_acts(ALL),
-        doc="plain data parallelism (ZeRO-0): every device a replica; the batch splits over every mesh axis",
-    ),
-    Strategy(
-        "fsdp", params={**_WHOLE, "embed": ALL}, activations=_acts(ALL),
-        doc="ZeRO-3 over every device: weights' embed and the batch split over every mesh axis",
-    ),
-    Strategy(
-        "fsdp_tp", params={**_TP, "embed": ("dp", "fsdp", "sp")}, activations=_acts(("dp", "fsdp", "sp"), model=_TP),
-        doc="fsdp over dp, fsdp and sp; Megatron tensor parallelism (heads, kv_heads, mlp, vocab) over tp",
-    ),
-    Strategy(
-        "megatron", params={**_TP, "embed": None}, activations=_acts(("dp", "fsdp", "sp"), model=_TP),
-        doc="Megatron tensor parallelism over tp; weights replicated over the data axes dp, fsdp, sp",
-    ),
-    Strategy(
-        "megatron_sp", params={**_TP, "embed": None}, activations=_acts(("dp", "fsdp", "sp"), "tp", model=_TP),
-        shared=frozenset({"length", "cache_length"}),
-        doc="megatron plus sequence parallelism: between the tensor-parallel regions (norms, residual) "
+PRESETS: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        DEFAULT,
+        Strategy(
+            "dp",
+            params={**_WHOLE, "embed": None},
+            activations=_acts(ALL),
+            doc="plain data parallelism (ZeRO-0): every device a replica; the batch splits over every mesh axis",
+        ),
+        Strategy(
+            "fsdp",
+            params={**_WHOLE, "embed": ALL},
+            activations=_acts(ALL),
+            doc="ZeRO-3 over every device: weights' embed and the batch split over every mesh axis",
+        ),
+        Strategy(
+            "fsdp_tp",
+            params={**_TP, "embed": ("dp", "fsdp", "sp")},
+            activations=_acts(("dp", "fsdp", "sp"), model=_TP),
+            doc="fsdp over dp, fsdp and sp; Megatron tensor parallelism (heads, kv_heads, mlp, vocab) over tp",
+        ),
+        Strategy(
+            "megatron",
+            params={**_TP, "embed": None},
+            activations=_acts(("dp", "fsdp", "sp"), model=_TP),
+            doc="Megatron tensor parallelism over tp; weights replicated over the data axes dp, fsdp, sp",
+        ),
+        Strategy(
+            "megatron_sp",
+            params={**_TP, "embed": None},
+            activations=_acts(("dp", "fsdp", "sp"), "tp", model=_TP),
+            shared=frozenset({"length", "cache_length"}),
+            doc="megatron plus sequence parallelism: between the tensor-parallel regions (norms, residual) "
             "activations split their length over tp; attention and MLP gather it back",
-    ),
-    Strategy(
-        "fsdp_sp", params={**_WHOLE, "embed": ("fsdp", "sp")}, activations=_acts(("dp", "fsdp"), "sp"),
-        doc="fsdp over fsdp and sp, the sequence over sp with RingAttention; no tensor parallelism",
-    ),
-)}
+        ),
+        Strategy(
+            "fsdp_sp",
+            params={**_WHOLE, "embed": ("fsdp", "sp")},
+            activations=_acts(("dp", "fsdp"), "sp"),
+            doc="fsdp over fsdp and sp, the sequence over sp with RingAttention; no tensor parallelism",
+        ),
+    )
+}
 
 
 def unknown_preset(name: str) -> str | None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
@@ -84,13 +85,17 @@ class Rules:
         """The strategy with the [logical] overrides on top of its tables."""
         if not self.logical_params and not self.logical_activations:
             return strategy
-        return dataclasses.replace(strategy, name=f"{strategy.name}+{Path(self.path).name}",
-                                   params={**strategy.params, **self.logical_params},
-                                   activations={**strategy.activations, **self.logical_activations})
+        return dataclasses.replace(
+            strategy,
+            name=f"{strategy.name}+{Path(self.path).name}",
+            params={**strategy.params, **self.logical_params},
+            activations={**strategy.activations, **self.logical_activations},
+        )
 
-    def with_layer_strategies(self, make: Callable[[str], Strategy]) -> "Rules":
+    def with_layer_strategies(self, make: Callable[[str], Strategy]) -> Rules:
         """Each [[layers]] range with its strategy made from its preset name; a bad name is blamed on the
         file and the range, not on --strategy."""
+
         def one(r: LayerRange) -> LayerRange:
             if problem := unknown_preset(r.preset):
                 raise UsageError(f"{self.path} [[layers]] #{r.index}: strategy = {r.preset!r}: {problem}")
@@ -105,12 +110,16 @@ class Rules:
         owner: list[LayerRange | None] = [None] * n_layers
         for r in self.layers:
             if r.last >= n_layers:
-                raise UsageError(f"{self.path}: [[layers]] #{r.index} range [{r.first}, {r.last}] goes past the "
-                                 f"model's last layer {n_layers - 1}; use ranges within 0..{n_layers - 1}")
+                raise UsageError(
+                    f"{self.path}: [[layers]] #{r.index} range [{r.first}, {r.last}] goes past the "
+                    f"model's last layer {n_layers - 1}; use ranges within 0..{n_layers - 1}"
+                )
             for i in range(r.first, r.last + 1):
                 if owner[i] is not None:
-                    raise UsageError(f"{self.path}: [[layers]] #{owner[i].index} and #{r.index} both cover layer {i}; "
-                                     "make the ranges disjoint")
+                    raise UsageError(
+                        f"{self.path}: [[layers]] #{owner[i].index} and #{r.index} both cover layer {i}; "
+                        "make the ranges disjoint"
+                    )
                 owner[i] = r
         out: list[LayerGroup] = []
         for i, r in enumerate(owner):
@@ -128,7 +137,9 @@ def _axes(value: Any, where: str) -> MeshAxes:
         return None
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not all(isinstance(a, str) for a in names):
-        raise UsageError(f"{where}: {value!r} is not a mesh axis or a list of them; use e.g. \"tp\" or [\"fsdp\", \"tp\"]")
+        raise UsageError(
+            f"{where}: {value!r} is not a mesh axis or a list of them; use e.g. \"tp\" or [\"fsdp\", \"tp\"]"
+        )
     for a in names:
         if a not in MESH_AXES:
             raise UsageError(f"{where}: unknown mesh axis {a!r}; the mesh axes are {', '.join(MESH_AXES)}")
@@ -156,7 +167,9 @@ def load(path: str | Path) -> Rules:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"--sharding_rules={where}: not valid TOML ({e})") from None
     if unknown := set(data) - {"logical", "rules", "layers"}:
-        raise UsageError(f"{where}: unknown section [{sorted(unknown)[0]}]; the sections are [logical], [[rules]], [[layers]]")
+        raise UsageError(
+            f"{where}: unknown section [{sorted(unknown)[0]}]; the sections are [logical], [[rules]], [[layers]]"
+        )
     logical = dict(data.get("logical", {}))
     per = {k: logical.pop(k) for k in ("params", "activations") if isinstance(logical.get(k), dict)}
     both = _logical(logical, f"{where} [logical]")
@@ -168,8 +181,10 @@ def load(path: str | Path) -> Rules:
         if not isinstance(r, dict) or set(r) != {"pattern", "spec"} or not isinstance(r["spec"], list):
             odd = sorted(set(r) - {"pattern", "spec"}) if isinstance(r, dict) else []
             named = f"unknown key {odd[0]!r}; " if odd else ""
-            raise UsageError(f"{label}: {named}give exactly pattern = \"REGEX\" and spec = [..] (one entry per dimension, "
-                             "\"\" for a whole one)")
+            raise UsageError(
+                f"{label}: {named}give exactly pattern = \"REGEX\" and spec = [..] (one entry per dimension, "
+                "\"\" for a whole one)"
+            )
         try:
             re.compile(r["pattern"])
         except re.error as e:
@@ -177,14 +192,23 @@ def load(path: str | Path) -> Rules:
         spec = tuple(_axes(e, f"{label} {r['pattern']!r}") for e in r["spec"])
         used = [a for e in spec for a in as_tuple(e)]
         if dup := sorted({a for a in used if used.count(a) > 1}):
-            raise UsageError(f"{label} {r['pattern']!r}: spec {list(r['spec'])} puts mesh axis {dup[0]!r} on two dimensions")
+            raise UsageError(
+                f"{label} {r['pattern']!r}: spec {list(r['spec'])} puts mesh axis {dup[0]!r} on two dimensions"
+            )
         rules.append(Rule(i, r["pattern"], spec))
     layers = []
     for i, r in enumerate(data.get("layers", []), 1):
         rng = r.get("range") if isinstance(r, dict) else None
-        if (not isinstance(rng, list) or len(rng) != 2 or not all(isinstance(x, int) for x in rng)
-                or not 0 <= rng[0] <= rng[1] or not isinstance(r.get("strategy"), str)):
-            raise UsageError(f"{where} [[layers]] #{i}: give range = [FIRST, LAST] (inclusive, 0-based) and strategy = \"PRESET\"")
+        if (
+            not isinstance(rng, list)
+            or len(rng) != 2
+            or not all(isinstance(x, int) for x in rng)
+            or not 0 <= rng[0] <= rng[1]
+            or not isinstance(r.get("strategy"), str)
+        ):
+            raise UsageError(
+                f"{where} [[layers]] #{i}: give range = [FIRST, LAST] (inclusive, 0-based) and strategy = \"PRESET\""
+            )
         layers.append(LayerRange(i, rng[0], rng[1], r["strategy"]))
     return Rules(where, lp, la, tuple(rules), tuple(layers))
 
@@ -227,14 +251,21 @@ def _rule_spec(rule: Rule, path: str, logical: tuple, shape: tuple, table: dict,
     if len(entries) == len(shape) - 1 and logical and logical[0] == "layers":
         entries = [table.get("layers")] + entries
     if len(entries) != len(shape):
-        raise UsageError(f"{rule.label} gives parameter {path} {shape} a spec of {len(rule.spec)} entries; "
-                         f"give {len(shape)} (one per dimension)")
+        raise UsageError(
+            f"{rule.label} gives parameter {path} {shape} a spec of {len(rule.spec)} entries; "
+            f"give {len(shape)} (one per dimension)"
+        )
     kept = [tuple(a for a in as_tuple(e) if mesh.shape.get(a, 1) > 1) for e in entries]
     return P(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
 
 
-def resolve(logical: dict[str, tuple], shapes: dict[str, tuple], strategy_of: Callable[[str], tuple[Strategy, str]],
-            rules: Rules | None, mesh) -> Resolved:
+def resolve(
+    logical: dict[str, tuple],
+    shapes: dict[str, tuple],
+    strategy_of: Callable[[str], tuple[Strategy, str]],
+    rules: Rules | None,
+    mesh,
+) -> Resolved:
     """Specs of every parameter (flat paths): the table of its strategy, then the first matching rule."""
     specs: dict[str, dict[str, P]] = {w: {} for w in WHAT}
     sources: dict[str, str] = {}
@@ -243,14 +274,18 @@ def resolve(logical: dict[str, tuple], shapes: dict[str, tuple], strategy_of: Ca
     for rule in rules.rules if rules else ():
         matched[rule.index] = [p for p in logical if re.search(rule.pattern, p)]
         if not matched[rule.index]:
-            raise UsageError(f"{rules.path}: {rule.label} matches no parameter; the paths look like "
-                             f"{', '.join(list(logical)[:4])}, ...")
+            raise UsageError(
+                f"{rules.path}: {rule.label} matches no parameter; the paths look like "
+                f"{', '.join(list(logical)[:4])}, ..."
+            )
         for p in matched[rule.index]:
             winner.setdefault(p, rule)
         if not any(winner[p] is rule for p in matched[rule.index]):
             first = matched[rule.index][0]
-            raise UsageError(f"{rules.path}: {rule.label} never applies: {winner[first].label} takes parameter "
-                             f"{first} first (first match wins); remove one or reorder them")
+            raise UsageError(
+                f"{rules.path}: {rule.label} never applies: {winner[first].label} takes parameter "
+                f"{first} first (first match wins); remove one or reorder them"
+            )
     for path, names in logical.items():
         strategy, source = strategy_of(path)
         shape = shapes[path]
@@ -262,12 +297,14 @@ def resolve(logical: dict[str, tuple], shapes: dict[str, tuple], strategy_of: Ca
             source, culprit = rule.label, f"{rule.label} gives parameter {path}"
         else:
             for w in WHAT:
-                specs[w][path] = replicate_short_kv_heads(logical_to_spec(names, strategy.table(w), mesh),
-                                                          names, shape, mesh)
+                specs[w][path] = replicate_short_kv_heads(
+                    logical_to_spec(names, strategy.table(w), mesh), names, shape, mesh
+                )
             culprit = f"parameter {path} under {source}"
         for w in WHAT:
             if problem := spec_divides(specs[w][path], shape, mesh):
-                raise UsageError(f"{culprit} {shape} {w} spec {specs[w][path]}: {problem}; "
-                                 "change the rule, --strategy or --mesh_dim")
+                raise UsageError(
+                    f"{culprit} {shape} {w} spec {specs[w][path]}: {problem}; change the rule, --strategy or --mesh_dim"
+                )
         sources[path] = source
     return Resolved(specs, sources)

@@ -19,7 +19,7 @@ weights, reduce-scatter of its gradients).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from meshlm.errors import UsageError
 from meshlm.sharding import MeshAxes, Strategy, as_tuple, filter_axes
@@ -42,14 +42,20 @@ def with_zero_stage(strategy: Strategy, stage: int | None) -> Strategy:
     if stage is None:
         return strategy
     if stage not in STAGES:
-        raise UsageError(f"--zero_stage={stage}: choose 0 (replicate), 1 (shard optimizer state), "
-                         "2 (and gradients) or 3 (and parameters)")
+        raise UsageError(
+            f"--zero_stage={stage}: choose 0 (replicate), 1 (shard optimizer state), "
+            "2 (and gradients) or 3 (and parameters)"
+        )
     data = as_tuple(strategy.activations.get("batch"))
     base = strategy.params
     rep, shard = _replicate(base, data), _shard(base, data)
     return dataclasses.replace(
-        strategy, name=f"{strategy.name}+zero{stage}", zero_stage=stage,
-        params=shard if stage >= 3 else rep, grads=shard if stage >= 2 else rep, opt_state=shard if stage >= 1 else rep,
+        strategy,
+        name=f"{strategy.name}+zero{stage}",
+        zero_stage=stage,
+        params=shard if stage >= 3 else rep,
+        grads=shard if stage >= 2 else rep,
+        opt_state=shard if stage >= 1 else rep,
     )
 
 
@@ -60,11 +66,16 @@ def check_pipelined(strategy: Strategy, sizes: Mapping[str, int], pipelined: boo
     stage = strategy.zero_stage
     split = any(sizes.get(a, 1) > 1 for a in as_tuple(strategy.activations.get("batch")))
     if pipelined and split and stage is not None and stage < 3:
-        raise UsageError(f"--zero_stage={stage} with --pp: the pipeline keeps XLA's collectives; use --zero_stage=3 or none")
+        raise UsageError(
+            f"--zero_stage={stage} with --pp: the pipeline keeps XLA's collectives; use --zero_stage=3 or none"
+        )
 
 
 def formula_bytes(stage: int, n_params: int, n: int, param_bytes: int = 4) -> dict[str, float]:
     """Per-device params, grads and optimizer-state bytes of a stage (Adam: two moments per parameter)."""
     p, g, o = param_bytes * n_params, param_bytes * n_params, 2 * param_bytes * n_params
-    return {"params": p / n if stage >= 3 else p, "grads": g / n if stage >= 2 else g,
-            "opt_state": o / n if stage >= 1 else o}
+    return {
+        "params": p / n if stage >= 3 else p,
+        "grads": g / n if stage >= 2 else g,
+        "opt_state": o / n if stage >= 1 else o,
+    }

@@ -26,21 +26,35 @@ def model_lines(run: Run) -> list[str]:
 def layout_lines(run: Run) -> list[str]:
     """The strategy (when not the default), the pipeline and the processes across hosts."""
     job, lines = run.job, []
-    strategy, rules, placement, pipeline, shape, dcn = job.strategy, job.rules, job.placement, job.pipeline, job.shape, job.dcn
+    strategy, rules, placement, pipeline, shape, dcn = (
+        job.strategy,
+        job.rules,
+        job.placement,
+        job.pipeline,
+        job.shape,
+        job.dcn,
+    )
     if strategy.name != "default" or rules:
         groups = ", ".join(f"layers {g.key}: {g.strategy.name}" for g in placement.groups)
-        lines.append(f"strategy: {strategy.name}" + (f" ({groups})" if groups else "")
-                     + (f"; {plural(len(rules.rules), 'rule')} from {rules.path}" if rules else "")
-                     + " — `meshlm explain` with the same flags shows every layout and collective")
+        lines.append(
+            f"strategy: {strategy.name}"
+            + (f" ({groups})" if groups else "")
+            + (f"; {plural(len(rules.rules), 'rule')} from {rules.path}" if rules else "")
+            + " — `meshlm explain` with the same flags shows every layout and collective"
+        )
     if pipeline is not None:
-        lines.append(f"pipeline: {pipeline.name}, {shape.pp} stages"
-                     + (f" × {pipeline.virtual} virtual" if pipeline.virtual > 1 else "")
-                     + f", {pipeline.microbatches} microbatches, {pipeline.clocks} clocks; bubble "
-                     f"{pipeline.bubble():.1%} ((p-1)/(m·v+p-1) = {pipeline.theoretical_bubble():.1%}); "
-                     f"at most {pipeline.act_slots} microbatch inputs stashed per stage")
+        lines.append(
+            f"pipeline: {pipeline.name}, {shape.pp} stages"
+            + (f" × {pipeline.virtual} virtual" if pipeline.virtual > 1 else "")
+            + f", {pipeline.microbatches} microbatches, {pipeline.clocks} clocks; bubble "
+            f"{pipeline.bubble():.1%} ((p-1)/(m·v+p-1) = {pipeline.theoretical_bubble():.1%}); "
+            f"at most {pipeline.act_slots} microbatch inputs stashed per stage"
+        )
     if jax.process_count() > 1:
-        lines.append(f"{plural(jax.process_count(), 'process')} × {plural(jax.local_device_count(), 'device')}; "
-                     f"across hosts --dcn_mesh_dim={dcn} ({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})")
+        lines.append(
+            f"{plural(jax.process_count(), 'process')} × {plural(jax.local_device_count(), 'device')}; "
+            f"across hosts --dcn_mesh_dim={dcn} ({', '.join(f'{k}={v}' for k, v in dcn.as_dict().items() if v > 1)})"
+        )
     return lines
 
 
@@ -48,19 +62,32 @@ def data_lines(run: Run) -> list[str]:
     """Evaluation, chat data and how many passes over the data the run makes."""
     cfg, loader, lines = run.cfg, run.loader, []
     if run.eval_batches is not None:
-        held_out = (f" ({plural(len(loader.held_out), 'row')} held out of training)" if loader.held_out is not None
-                    else " (synthetic: random rows no training step draws)")
-        source = f"--eval_dataset={cfg.eval_dataset}" if cfg.eval_dataset else f"--eval_split={cfg.eval_split}" + held_out
-        lines.append(f"eval: {plural(run.eval_batches.n_batches, 'batch')} of {cfg.batch_size} rows from {source}"
-                     f", every {cfg.eval_every or max(1, cfg.steps // 10)} steps and after the last")
+        held_out = (
+            f" ({plural(len(loader.held_out), 'row')} held out of training)"
+            if loader.held_out is not None
+            else " (synthetic: random rows no training step draws)"
+        )
+        source = (
+            f"--eval_dataset={cfg.eval_dataset}" if cfg.eval_dataset else f"--eval_split={cfg.eval_split}" + held_out
+        )
+        lines.append(
+            f"eval: {plural(run.eval_batches.n_batches, 'batch')} of {cfg.batch_size} rows from {source}"
+            f", every {cfg.eval_every or max(1, cfg.steps // 10)} steps and after the last"
+        )
     if loader.chat_data is not None:
         lines.append(loader.chat_data.describe(cfg.seq_len, loader.chat))
     if loader.steps_per_epoch:  # real data: how many times this run reads it
-        lines.append(f"data: a pass over the data (an epoch) is {plural(loader.steps_per_epoch, 'step')} of "
-                     f"{cfg.batch_size} rows; --steps={cfg.steps} makes {cfg.steps / loader.steps_per_epoch:.3g} passes")
+        lines.append(
+            f"data: a pass over the data (an epoch) is {plural(loader.steps_per_epoch, 'step')} of "
+            f"{cfg.batch_size} rows; --steps={cfg.steps} makes {cfg.steps / loader.steps_per_epoch:.3g} passes"
+        )
     return lines
 
 
 def run_lines(run: Run) -> list[str]:
-    return [*model_lines(run), *layout_lines(run), *data_lines(run),
-            *run.trainable.describe(run.job.init_source, run.cfg.seed)]
+    return [
+        *model_lines(run),
+        *layout_lines(run),
+        *data_lines(run),
+        *run.trainable.describe(run.job.init_source, run.cfg.seed),
+    ]

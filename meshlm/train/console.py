@@ -1,9 +1,9 @@
 """The console of a training run: one-line metrics and evaluations, a progress bar, and wording helpers.
 
-    console = run_console(quiet=jax.process_index() != 0)   # never wraps lines in a log file
-    with TrainProgress(n, console=console) as bar:
-        ...  print_metrics_line(m, console); bar.update(step, m)
-    plural(8, "device") == "8 devices"   (parameter counts: meshlm.models.configs.count_params)
+console = run_console(quiet=jax.process_index() != 0)   # never wraps lines in a log file
+with TrainProgress(n, console=console) as bar:
+    ...  print_metrics_line(m, console); bar.update(step, m)
+plural(8, "device") == "8 devices"   (parameter counts: meshlm.models.configs.count_params)
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 _console = None
 
@@ -51,8 +50,10 @@ def format_metrics(m: dict) -> str:
 
 def format_eval(m: dict) -> str:
     """One readable line of an evaluation: step, loss, perplexity, how many batches and tokens, time."""
-    return (f"eval {m['step']:>6} | loss {m['eval_loss']:.4f} | perplexity {m['eval_perplexity']:,.2f} | "
-            f"{plural(m['eval_batches'], 'batch')}, {m['eval_tokens']:,} tokens | {m['eval_seconds']:.1f}s")
+    return (
+        f"eval {m['step']:>6} | loss {m['eval_loss']:.4f} | perplexity {m['eval_perplexity']:,.2f} | "
+        f"{plural(m['eval_batches'], 'batch')}, {m['eval_tokens']:,} tokens | {m['eval_seconds']:.1f}s"
+    )
 
 
 def print_metrics_line(metrics: dict, console: Any = None) -> None:
@@ -73,12 +74,19 @@ class TrainProgress:
         self._progress = self._task = None
         self._console = console
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         if self.enabled:
             self._progress = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
-                TimeRemainingColumn(), TextColumn("{task.description}"),
-                console=self._console or _get_console(), transient=False, refresh_per_second=2,
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self._console or _get_console(),
+                transient=False,
+                refresh_per_second=2,
             )
             self._progress.start()
             self._task = self._progress.add_task("", total=self.total_steps)
@@ -92,7 +100,8 @@ class TrainProgress:
         if metrics:
             loss = metrics.get("loss")
             desc = (f"loss {loss:.4f}" if loss is not None else "loss -") + (
-                f" | {metrics['tokens_per_s']:,.0f} tok/s | MFU {metrics['mfu']:.1%}")
+                f" | {metrics['tokens_per_s']:,.0f} tok/s | MFU {metrics['mfu']:.1%}"
+            )
         self._progress.update(self._task, completed=step, **({"description": desc} if desc else {}))
 
     def print_metrics(self, metrics: dict) -> None:

@@ -47,8 +47,11 @@ class NonFinite:
     def what(self) -> str:
         if self.weights:
             return "the weights became NaN/Inf"
-        bad = [f"{name} became {value}" for name, value in (("the loss", self.loss), ("the gradient norm", self.grad_norm))
-               if not math.isfinite(value)]
+        bad = [
+            f"{name} became {value}"
+            for name, value in (("the loss", self.loss), ("the gradient norm", self.grad_norm))
+            if not math.isfinite(value)
+        ]
         return " and ".join(bad)
 
     def cause(self) -> str:
@@ -76,8 +79,13 @@ class NonFiniteWatch:
             return jnp.where((seen[0] == 0) & bad, new, seen)
 
         self._fold = jax.jit(fold)
-        self._all_finite = jax.jit(lambda tree: jnp.all(jnp.stack(
-            [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)])))
+        self._all_finite = jax.jit(
+            lambda tree: jnp.all(
+                jnp.stack(
+                    [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+                )
+            )
+        )
         self._seen = None
         self._zeros = lambda: jnp.zeros(3, jnp.float32)
         self.vocab_size, self.bad_ids = vocab_size, None
@@ -116,8 +124,9 @@ class NonFiniteWatch:
             return None
         start_finite = True if self._start_finite is None else bool(jax.device_get(self._start_finite))
         ids = self.bad_ids if self.bad_ids is not None and self.bad_ids[0] <= bad.step else None
-        return dataclasses.replace(bad, first_step=self._first_step, start_weights_finite=start_finite, bad_ids=ids,
-                                   vocab_size=self.vocab_size)
+        return dataclasses.replace(
+            bad, first_step=self._first_step, start_weights_finite=start_finite, bad_ids=ids, vocab_size=self.vocab_size
+        )
 
 
 class StepProfiler:
@@ -151,7 +160,9 @@ class StepProfiler:
         self.active = False
         traces = sorted(self.directory.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
         where = traces[-1] if traces else self.directory
-        return f"profile written to {where} (open {self.directory} in TensorBoard's profile tab, or the trace in Perfetto)"
+        return (
+            f"profile written to {where} (open {self.directory} in TensorBoard's profile tab, or the trace in Perfetto)"
+        )
 
 
 class DocumentsWatch:
@@ -178,9 +189,11 @@ class DocumentsWatch:
         if documents <= self.limit:
             return None
         self.warned = True
-        return (f"warning: a row holds {documents} documents, more than --model.max_documents={self.limit}: "
-                f"cuDNN's packed attention lets its documents from number {self.limit} on attend to each other; "
-                f"raise --model.max_documents (its workspace grows with it) or use --attention=triton")
+        return (
+            f"warning: a row holds {documents} documents, more than --model.max_documents={self.limit}: "
+            f"cuDNN's packed attention lets its documents from number {self.limit} on attend to each other; "
+            f"raise --model.max_documents (its workspace grows with it) or use --attention=triton"
+        )
 
 
 __all__ = ["NonFinite", "NonFiniteWatch", "StepProfiler", "DocumentsWatch"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +70,13 @@ class Evaluator:
             totals = self.step_fn(params, batch, totals)
         nll, count = (float(x) for x in jax.device_get(totals))  # the evaluation's one host round trip
         loss = nll / max(count, 1.0)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(count),
-                "eval_batches": self.n_batches, "eval_seconds": time.perf_counter() - t0}
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 700.0)),
+            "eval_tokens": int(count),
+            "eval_batches": self.n_batches,
+            "eval_seconds": time.perf_counter() - t0,
+        }
 
 
 def eval_steps(every: int | None, total_steps: int) -> Callable[[int], bool]:

@@ -22,7 +22,9 @@ from meshlm.config import TrainConfig, profile_range
 from meshlm.flops import model_flops_per_token
 from meshlm.ops.kernels import gpu_capability
 from meshlm.optimizer import lr_schedule
-from meshlm.train import metrics as M, report
+from meshlm.train import metrics as M
+from meshlm.train import report
+from meshlm.train import step as train_step  # called through the module: tests replace its functions
 from meshlm.train.announce import run_lines
 from meshlm.train.console import TrainProgress, run_console
 from meshlm.train.diagnostics import DocumentsWatch, NonFiniteWatch, StepProfiler
@@ -38,7 +40,6 @@ from meshlm.train.restore import restore_or_init
 from meshlm.train.run_lock import run_folder_lock
 from meshlm.train.setup import Run, latest_step, resolve, set_up, warmup_note, write_run_files
 from meshlm.train.state import TrainState
-from meshlm.train import step as train_step  # called through the module: tests replace its functions
 
 
 class StopRequest:
@@ -94,8 +95,14 @@ class Trainer:
         checkpointer = Checkpointer(run.out / "checkpoints", keep=self.cfg.keep, save_every=self.cfg.save_every)
         state = restore_or_init(run, checkpointer, self.console)
         first_step = int(state.step) + 1
-        step_fn = train_step.make_train_step(run.job.placement, run.optimizer, lr_schedule(run.opt_cfg),
-                                             self.cfg.grad_accum, run.job.pipeline, run.trainable)
+        step_fn = train_step.make_train_step(
+            run.job.placement,
+            run.optimizer,
+            lr_schedule(run.opt_cfg),
+            self.cfg.grad_accum,
+            run.job.pipeline,
+            run.trainable,
+        )
         perm = train_step.sequence_permutation(run.job.placement, self.cfg.seq_len)
         self.make_hooks(run, checkpointer, state, first_step, perm)
         with self.stop, self.logger.closed_on_error(), self.progress:
@@ -115,10 +122,22 @@ class Trainer:
         latest = latest_step(Path(cfg.output_dir) / "checkpoints")
         if latest is not None and latest >= cfg.steps:  # a finished run: say so, before any data or compile work
             console.print(report.already_done(cfg.output_dir, latest, cfg.steps))
-            return {"interrupted": None, "already_done": True, "checkpoint_step": latest, "first_step": None,
-                    "last_step": latest, "steps_run": 0, "first_loss": None, "final_loss": None,
-                    "compile_seconds": None, "steps": cfg.steps, "mesh_dim": str(job.shape),
-                    "output_dir": str(Path(cfg.output_dir)), "history": [], "evals": []}
+            return {
+                "interrupted": None,
+                "already_done": True,
+                "checkpoint_step": latest,
+                "first_step": None,
+                "last_step": latest,
+                "steps_run": 0,
+                "first_loss": None,
+                "final_loss": None,
+                "compile_seconds": None,
+                "steps": cfg.steps,
+                "mesh_dim": str(job.shape),
+                "output_dir": str(Path(cfg.output_dir)),
+                "history": [],
+                "evals": [],
+            }
         run = set_up(cfg, job, trainable, self.is_main)
         for line in ([note] if (note := warmup_note(cfg, run.opt_cfg)) else []) + run_lines(run):
             console.print(line)
@@ -131,26 +150,53 @@ class Trainer:
         peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
         console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
         self.logger = M.MetricsLogger(
-            run.out, flops_per_token=model_flops_per_token(model_cfg, cfg.seq_len), peak_flops_per_device=peak,
-            n_devices=jax.device_count(), total_steps=cfg.steps, log_every=cfg.log_every, enabled=is_main,
-            tracker=cfg.tracker, run_config=run.meta,
+            run.out,
+            flops_per_token=model_flops_per_token(model_cfg, cfg.seq_len),
+            peak_flops_per_device=peak,
+            n_devices=jax.device_count(),
+            total_steps=cfg.steps,
+            log_every=cfg.log_every,
+            enabled=is_main,
+            tracker=cfg.tracker,
+            run_config=run.meta,
         )
         write_run_files(run)
         watch = NonFiniteWatch(model_cfg.vocab_size)
         watch.start(first_step, state.params)  # what it says of the cause needs the weights the run starts from
-        profiler = StepProfiler(profile_range(cfg.profile_steps) if cfg.profile_steps else None, run.out / "profile",
-                                is_main)
-        documents = DocumentsWatch(model_cfg, cfg.seq_len, ring=run.job.shape.sp > 1,
-                                   platform=jax.devices()[0].platform, gpu_capability=gpu_capability())
+        profiler = StepProfiler(
+            profile_range(cfg.profile_steps) if cfg.profile_steps else None, run.out / "profile", is_main
+        )
+        documents = DocumentsWatch(
+            model_cfg,
+            cfg.seq_len,
+            ring=run.job.shape.sp > 1,
+            platform=jax.devices()[0].platform,
+            gpu_capability=gpu_capability(),
+        )
         self.clock = StepClock(cfg.batch_size * cfg.seq_len)
         self.progress = TrainProgress(cfg.steps, enabled=is_main, console=console)
         self.log = LogHook(self.logger, self.progress, self.clock, cfg.log_every, cfg.steps, console, is_main)
         self.profiler = ProfilerHook(profiler, first_step, console)
-        self.checkpoints = CheckpointHook(checkpointer, run.trainable, run.loader, run.meta, self.stop, first_step,
-                                          cfg.steps)
+        self.checkpoints = CheckpointHook(
+            checkpointer, run.trainable, run.loader, run.meta, self.stop, first_step, cfg.steps
+        )
         self.nan_watch = NanWatchHook(watch, self.checkpoints, cfg.log_every, run.out, console)
-        evaluation = [EvaluationHook(evaluator, eval_steps(cfg.eval_every, cfg.steps), run.trainable, self.logger,
-                                     self.clock, self.stop, console, is_main)] if evaluator is not None else []
+        evaluation = (
+            [
+                EvaluationHook(
+                    evaluator,
+                    eval_steps(cfg.eval_every, cfg.steps),
+                    run.trainable,
+                    self.logger,
+                    self.clock,
+                    self.stop,
+                    console,
+                    is_main,
+                )
+            ]
+            if evaluator is not None
+            else []
+        )
         self.evals = evaluation[0].evals if evaluation else []
         self.before: list[Hook] = [DocumentsHook(documents, console, is_main), self.profiler]
         self.after: list[Hook] = [self.log, self.profiler, self.nan_watch, *evaluation, self.checkpoints]
@@ -178,17 +224,31 @@ class Trainer:
         self.logger.close(title=f"{cfg.model or run.job.init_source or 'tiny'} on {run.job.shape.flags}")
         saved_at, diverged = self.checkpoints.saved_at, self.nan_watch.diverged
         summary = {
-            "interrupted": self.stop.requested, "diverged": diverged.step if diverged else None,
-            "already_done": False, "checkpoint_step": saved_at, "first_step": first_step, "last_step": saved_at,
-            "steps_run": saved_at - first_step + 1, "first_loss": history[0]["loss"] if history else None,
-            "final_loss": history[-1]["loss"] if history else None, "compile_seconds": self.clock.compile_seconds,
-            "steps": cfg.steps, "mesh_dim": str(run.job.shape), "output_dir": str(out), "history": history,
+            "interrupted": self.stop.requested,
+            "diverged": diverged.step if diverged else None,
+            "already_done": False,
+            "checkpoint_step": saved_at,
+            "first_step": first_step,
+            "last_step": saved_at,
+            "steps_run": saved_at - first_step + 1,
+            "first_loss": history[0]["loss"] if history else None,
+            "final_loss": history[-1]["loss"] if history else None,
+            "compile_seconds": self.clock.compile_seconds,
+            "steps": cfg.steps,
+            "mesh_dim": str(run.job.shape),
+            "output_dir": str(out),
+            "history": history,
             "evals": self.evals,
         }
         if self.is_main and not diverged:
             for line in report.summary_lines(
-                first_step=first_step, last_step=saved_at, total_steps=cfg.steps, history=history, evals=self.evals,
-                stopped=self.stop.requested, output_dir=cfg.output_dir,
+                first_step=first_step,
+                last_step=saved_at,
+                total_steps=cfg.steps,
+                history=history,
+                evals=self.evals,
+                stopped=self.stop.requested,
+                output_dir=cfg.output_dir,
                 checkpoint=out / "checkpoints" / str(saved_at) if saved_at >= first_step else None,
                 chat=run.loader.chat_data is not None,
             ):

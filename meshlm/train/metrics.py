@@ -27,8 +27,8 @@ import jax
 
 from meshlm.errors import UsageError
 from meshlm.flops import detect_peak_flops, matmul_probe
-from meshlm.train.console import TrainProgress, format_metrics, plural, print_metrics_line
 from meshlm.train import plot
+from meshlm.train.console import TrainProgress, format_metrics, plural, print_metrics_line
 from meshlm.train.tracking import open_tracker
 
 
@@ -53,7 +53,10 @@ def resolve_peak(peak_tflops: float | None, dtype: str) -> tuple[float, str]:
         return probe, f"measured {dtype} 4096^2 matmul on {dev.device_kind} (not in the table; set --peak_tflops)"
     probe = matmul_probe(dtype, size=1024, seconds=1.0)
     n_local = jax.local_device_count()
-    return probe / n_local, f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {plural(n_local, 'device')}"
+    return (
+        probe / n_local,
+        f"measured {dtype} 1024^2 matmul on this CPU: {probe / 1e9:.1f} GFLOP/s / {plural(n_local, 'device')}",
+    )
 
 
 # ------------------------------------------------------------------------------------------- logging
@@ -86,9 +89,20 @@ class MetricsLogger:
     0 in a multi-host run) creates and writes nothing; `log()` still returns the metrics dict.
     """
 
-    def __init__(self, output_dir: str | Path, *, flops_per_token: float, peak_flops_per_device: float,
-                 n_devices: int, total_steps: int, log_every: int, enabled: bool = True, title: str = "",
-                 tracker: str = "tensorboard", run_config: dict | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        flops_per_token: float,
+        peak_flops_per_device: float,
+        n_devices: int,
+        total_steps: int,
+        log_every: int,
+        enabled: bool = True,
+        title: str = "",
+        tracker: str = "tensorboard",
+        run_config: dict | None = None,
+    ):
         self.output_dir = Path(output_dir)
         self.flops_per_token, self.peak = float(flops_per_token), float(peak_flops_per_device)
         self.n_devices, self.total_steps, self.log_every = n_devices, total_steps, max(1, log_every)
@@ -113,8 +127,13 @@ class MetricsLogger:
         tokens_per_s = tokens / seconds if seconds > 0 else math.nan
         tflops = self.flops_per_token * tokens_per_s / self.n_devices / 1e12
         m: dict[str, Any] = {
-            "step": int(step), "loss": _number(loss), "tokens": int(tokens), "seconds": float(seconds),
-            "tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak,
+            "step": int(step),
+            "loss": _number(loss),
+            "tokens": int(tokens),
+            "seconds": float(seconds),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak,
         }
         m.update({k: _number(v) for k, v in (extra or {}).items()})
         if not self.enabled:
@@ -133,8 +152,14 @@ class MetricsLogger:
     def _write(self, m: dict, prefix=lambda k: k) -> None:
         self._file.write(json.dumps({k: _json_safe(v) for k, v in m.items()}, allow_nan=False) + "\n")
         if self._tb is not None:
-            self._tb.log({prefix(k): v for k, v in m.items() if k != "step" and isinstance(v, (int, float))
-                          and not isinstance(v, bool) and math.isfinite(v)}, m["step"])
+            self._tb.log(
+                {
+                    prefix(k): v
+                    for k, v in m.items()
+                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                },
+                m["step"],
+            )
 
     @contextlib.contextmanager
     def closed_on_error(self):
@@ -160,10 +185,13 @@ class MetricsLogger:
         """Flush/close the files and draw OUTPUT_DIR/loss.png from the whole metrics.jsonl. Safe to call twice."""
         if not self.enabled or not self._close_files():
             return
-        plot.plot_run(self.output_dir / "loss.png", plot.read_metrics(self.output_dir / "metrics.jsonl"),
-                 title if title is not None else self.title)
+        plot.plot_run(
+            self.output_dir / "loss.png",
+            plot.read_metrics(self.output_dir / "metrics.jsonl"),
+            title if title is not None else self.title,
+        )
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -172,5 +200,8 @@ class MetricsLogger:
 
 __all__ = [
     "resolve_peak",
-    "MetricsLogger", "TrainProgress", "print_metrics_line", "format_metrics",  # the last three: meshlm.train.console
+    "MetricsLogger",
+    "TrainProgress",
+    "print_metrics_line",
+    "format_metrics",  # the last three: meshlm.train.console
 ]

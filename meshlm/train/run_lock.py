@@ -36,8 +36,10 @@ def run_folder_lock(output_dir: str | Path, enabled: bool = True):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that is starting"
-            raise UsageError(f"--output_dir={output_dir} is in use by another run ({holder}); wait for it to end, "
-                             "or pass another --output_dir") from None
+            raise UsageError(
+                f"--output_dir={output_dir} is in use by another run ({holder}); wait for it to end, "
+                "or pass another --output_dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         yield

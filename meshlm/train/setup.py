@@ -11,7 +11,8 @@ from typing import Any
 import jax
 import optax
 
-from meshlm import data, job as joblib
+from meshlm import data
+from meshlm import job as joblib
 from meshlm.errors import UsageError
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
 from meshlm.train.trainable import Trainable, trainable_for
@@ -62,10 +63,17 @@ def load_data(cfg, job) -> tuple[Any, Any, Any]:
             f"set --model.vocab_size={tokenizer.vocab_size} (rounded up to a multiple of tp)"
         )
     loader = data.make_loader(
-        cfg.dataset, tokenizer, cfg.seq_len, cfg.batch_size,
-        process_index=jax.process_index(), process_count=jax.process_count(), seed=cfg.seed,
+        cfg.dataset,
+        tokenizer,
+        cfg.seq_len,
+        cfg.batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        seed=cfg.seed,
         eval_split=cfg.eval_split,  # None: every row trains, in the order it always had
-        text_field=cfg.text_field, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
+        text_field=cfg.text_field,
+        chat_template=cfg.chat_template,
+        loss_on=cfg.loss_on,
         long_conversations=cfg.long_conversations,  # chat data (meshlm.data.chat) only
     )
     eval_batches = data.make_eval_batches(loader, cfg.eval_dataset, cfg.eval_batches) if cfg.evaluates else None
@@ -77,8 +85,12 @@ def optimizer_config(cfg) -> OptimizerConfig:
     schedule_steps = cfg.schedule_steps or cfg.steps
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(1000, schedule_steps // 10)
     return OptimizerConfig(
-        lr=cfg.lr, warmup_steps=warmup, total_steps=schedule_steps, min_lr_ratio=cfg.min_lr_ratio,
-        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm,
+        lr=cfg.lr,
+        warmup_steps=warmup,
+        total_steps=schedule_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+        weight_decay=cfg.weight_decay,
+        clip_norm=cfg.clip_norm,
     )
 
 
@@ -87,21 +99,45 @@ def warmup_note(cfg, opt_cfg: OptimizerConfig) -> str | None:
     if opt_cfg.warmup_steps < cfg.steps or cfg.warmup_steps is None:
         return None
     end = float(lr_schedule(opt_cfg)(cfg.steps))
-    return (f"note: --warmup_steps={opt_cfg.warmup_steps} is not below --steps={cfg.steps}: the learning rate never "
-            f"reaches --lr={cfg.lr:g} (it is {end:.3g} at the last step); lower --warmup_steps to reach it")
+    return (
+        f"note: --warmup_steps={opt_cfg.warmup_steps} is not below --steps={cfg.steps}: the learning rate never "
+        f"reaches --lr={cfg.lr:g} (it is {end:.3g} at the last step); lower --warmup_steps to reach it"
+    )
 
 
 def set_up(cfg, job, trainable: Trainable, is_main: bool) -> Run:
     """The data, the optimizer and the run's metadata of `job` (already resolved)."""
     tokenizer, loader, eval_batches = load_data(cfg, job)
     opt_cfg = optimizer_config(cfg)
-    schedule = {"lr": cfg.lr, "warmup_steps": opt_cfg.warmup_steps, "total_steps": opt_cfg.total_steps,
-                "min_lr_ratio": cfg.min_lr_ratio}
-    meta = {"model": dataclasses.asdict(job.model), "mesh_dim": str(job.shape), "mesh": job.shape.flags,
-            "seed": cfg.seed, "schedule": schedule, "train": cfg.as_flags(),
-            **trainable.meta(job.init_source, cfg.seed)}
-    return Run(cfg, job, trainable, tokenizer, loader, eval_batches, opt_cfg, make_optimizer(opt_cfg), schedule,
-               meta, Path(cfg.output_dir), is_main)
+    schedule = {
+        "lr": cfg.lr,
+        "warmup_steps": opt_cfg.warmup_steps,
+        "total_steps": opt_cfg.total_steps,
+        "min_lr_ratio": cfg.min_lr_ratio,
+    }
+    meta = {
+        "model": dataclasses.asdict(job.model),
+        "mesh_dim": str(job.shape),
+        "mesh": job.shape.flags,
+        "seed": cfg.seed,
+        "schedule": schedule,
+        "train": cfg.as_flags(),
+        **trainable.meta(job.init_source, cfg.seed),
+    }
+    return Run(
+        cfg,
+        job,
+        trainable,
+        tokenizer,
+        loader,
+        eval_batches,
+        opt_cfg,
+        make_optimizer(opt_cfg),
+        schedule,
+        meta,
+        Path(cfg.output_dir),
+        is_main,
+    )
 
 
 def resolve(cfg) -> tuple[Any, Trainable]:

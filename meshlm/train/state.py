@@ -22,8 +22,9 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def state_shardings(placement: Placement, optimizer: optax.GradientTransformation,
-                    trainable: Trainable | None = None) -> TrainState:
+def state_shardings(
+    placement: Placement, optimizer: optax.GradientTransformation, trainable: Trainable | None = None
+) -> TrainState:
     """Optimizer moments take their parameter's optimizer-state layout (the parameter's own, or sharded
     further by a ZeRO stage); counters replicate."""
     trainable = trained_by(placement, trainable)
@@ -40,19 +41,22 @@ def _state_around(trainable: Trainable, optimizer: optax.GradientTransformation,
     return TrainState(jax.numpy.zeros((), "int32"), params, optimizer.init(trainable.split(params)[0]))
 
 
-def abstract_state(placement: Placement, optimizer: optax.GradientTransformation,
-                   trainable: Trainable | None = None) -> TrainState:
+def abstract_state(
+    placement: Placement, optimizer: optax.GradientTransformation, trainable: Trainable | None = None
+) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target and the input of ahead-of-time compiles."""
     trainable = trained_by(placement, trainable)
     shapes = jax.eval_shape(lambda p: _state_around(trainable, optimizer, p), trainable.abstract_params())
     return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-        state_shardings(placement, optimizer, trainable)
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        state_shardings(placement, optimizer, trainable),
     )
 
 
-def create_train_state(placement: Placement, optimizer: optax.GradientTransformation, seed: int = 0,
-                       trainable: Trainable | None = None) -> TrainState:
+def create_train_state(
+    placement: Placement, optimizer: optax.GradientTransformation, seed: int = 0, trainable: Trainable | None = None
+) -> TrainState:
     """Fresh parameters and optimizer state, each device creating only its own shards (from `seed`)."""
     trainable = trained_by(placement, trainable)
 
@@ -62,8 +66,13 @@ def create_train_state(placement: Placement, optimizer: optax.GradientTransforma
     return jax.jit(init, out_shardings=state_shardings(placement, optimizer, trainable))()
 
 
-def train_state_from_params(placement: Placement, optimizer: optax.GradientTransformation, params: Any,
-                            trainable: Trainable | None = None, seed: int = 0) -> TrainState:
+def train_state_from_params(
+    placement: Placement,
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    trainable: Trainable | None = None,
+    seed: int = 0,
+) -> TrainState:
     """A fresh optimizer around given (already sharded) parameters, e.g. Hugging Face weights to fine-tune
     (with LoRA: the frozen base under fresh adapters from `seed`)."""
     trainable = trained_by(placement, trainable)

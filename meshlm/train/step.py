@@ -18,7 +18,8 @@ base) passes through the step untouched (donated, so not copied).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from meshlm.models.pipelined import pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
 from meshlm.train.state import TrainState, state_shardings
-from meshlm.train.trainable import Trainable, model_loss_sums as loss_sums, trained_by
+from meshlm.train.trainable import Trainable, trained_by
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -76,9 +77,13 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, trainabl
     shard working on its own rows with the whole (replicated) weights, one collective per gradient."""
     mesh = placement.mesh
     data = placement.strategy.data_axes(mesh)
-    local = dataclasses.replace(placement, strategy=sharding.without_axes(placement.strategy, data),
-                                groups=tuple(dataclasses.replace(g, strategy=sharding.without_axes(g.strategy, data))
-                                             for g in placement.groups))
+    local = dataclasses.replace(
+        placement,
+        strategy=sharding.without_axes(placement.strategy, data),
+        groups=tuple(
+            dataclasses.replace(g, strategy=sharding.without_axes(g.strategy, data)) for g in placement.groups
+        ),
+    )
     local.structure  # noqa: B018  built (abstractly) here: no parameter can be declared inside the shard_map
     trainable = trained_by(placement, trainable)
     grad_fn = _grad_fn(local, trainable)
@@ -88,14 +93,18 @@ def data_parallel_loss_grads(placement: Placement, grad_accum: int = 1, trainabl
     def body(params, batch, frozen):
         nll, count, grads = _loss_grad_sums(grad_fn, params, batch, frozen, grad_accum)
         nll, count = jax.lax.psum((nll, count), data)
-        grads = jax.tree.map(lambda g, spec: _combine(g, spec, data), grads, grad_specs,
-                             is_leaf=lambda x: isinstance(x, P))
+        grads = jax.tree.map(
+            lambda g, spec: _combine(g, spec, data), grads, grad_specs, is_leaf=lambda x: isinstance(x, P)
+        )
         return nll, count, grads
 
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     whole = lambda specs: jax.tree.map(lambda _: P(), specs, is_leaf=is_spec)  # noqa: E731
     return jax.shard_map(
-        body, mesh=mesh, axis_names=set(data), check_vma=False,
+        body,
+        mesh=mesh,
+        axis_names=set(data),
+        check_vma=False,
         in_specs=(whole(grad_specs), P(data), None if frozen_specs is None else whole(frozen_specs)),
         out_specs=(P(), P(), jax.tree.map(lambda s: sharding.filter_spec(s, only=data), grad_specs, is_leaf=is_spec)),
     )
@@ -124,7 +133,8 @@ def make_train_step(
     # Where the profile asks for it (XLA:CPU), gradients split over the data axes take their norm in one
     # reduction across devices (docs/kernels.md, "Backend profiles").
     split = profile.one_reduction_grad_norm and sharding.splits_over(
-        grad_specs, placement.strategy.data_axes(placement.mesh))
+        grad_specs, placement.strategy.data_axes(placement.mesh)
+    )
 
     def norm_of(grads):
         return sharding.global_norm(grads, placement.mesh, grad_specs) if split else optax.tree.norm(grads)
@@ -156,13 +166,16 @@ def make_train_step(
 def program_options(placement: Placement, *, pipelined: bool = False, extra: dict | None = None) -> dict | None:
     """The XLA options a train or eval program on `placement`'s mesh compiles with: its backend
     profile's (`meshlm.backends`), then `extra`."""
-    options = {**(backends.profile_for(placement.platform).compiler_options(pipelined=pipelined) or {}),
-               **(extra or {})}
+    options = {
+        **(backends.profile_for(placement.platform).compiler_options(pipelined=pipelined) or {}),
+        **(extra or {}),
+    }
     return options or None
 
 
-def make_loss_grads(placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None,
-                    trainable: Trainable | None = None) -> Callable:
+def make_loss_grads(
+    placement: Placement, grad_accum: int = 1, pipeline: Schedule | None = None, trainable: Trainable | None = None
+) -> Callable:
     """`f(params, batch, frozen=None) -> (sum of token losses, token count, gradients of the mean loss)`,
     the gradients in the placement's gradient layout; the mean is over max(count, 1) tokens (zero
     gradients when no token counts). Traceable (the train step's first half). `params` is the trained
@@ -218,20 +231,31 @@ def put_batch(placement: Placement, local_batch: dict, perm: np.ndarray | None =
 def abstract_batch(placement: Placement, batch_size: int, seq_len: int) -> dict:
     """ShapeDtypeStructs of one global batch, laid out on the mesh: for ahead-of-time compiles."""
     rows = sharding.batch_sharding(placement.mesh, placement.strategy)
-    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
-            for k in BATCH_KEYS}
+    return {
+        k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
+        for k in BATCH_KEYS
+    }
 
 
-def compile_step(placement: Placement, optimizer: optax.GradientTransformation, batch_size: int, seq_len: int,
-                 grad_accum: int = 1, schedule: optax.Schedule | None = None, with_grads: bool = True,
-                 trainable: Trainable | None = None):
+def compile_step(
+    placement: Placement,
+    optimizer: optax.GradientTransformation,
+    batch_size: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    with_grads: bool = True,
+    trainable: Trainable | None = None,
+):
     """(compiled train step, compiled gradient function or None, abstract batch), nothing allocated. The
     compiled step can be called like the jitted one; the gradient function's outputs are the step's gradients."""
     from meshlm.train.state import abstract_state
 
     trainable = trained_by(placement, trainable)
     state, batch = abstract_state(placement, optimizer, trainable), abstract_batch(placement, batch_size, seq_len)
-    step = make_train_step(placement, optimizer, schedule, grad_accum, trainable=trainable).lower(state, batch).compile()
+    step = (
+        make_train_step(placement, optimizer, schedule, grad_accum, trainable=trainable).lower(state, batch).compile()
+    )
     if not with_grads:
         return step, None, batch
     loss_grads = make_loss_grads(placement, grad_accum, trainable=trainable)

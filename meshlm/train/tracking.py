@@ -44,8 +44,14 @@ class WandbTracker:
         wandb = import_wandb()
         id_file = output_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "meshlm"), dir=str(output_dir), id=run_id,
-                               resume="allow", name=name or output_dir.name, config=config or {})
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "meshlm"),
+            dir=str(output_dir),
+            id=run_id,
+            resume="allow",
+            name=name or output_dir.name,
+            config=config or {},
+        )
         id_file.write_text(run_id + "\n")
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -60,7 +66,9 @@ def import_wandb():
     try:
         import wandb
     except ImportError:
-        raise UsageError("--tracker=wandb needs the wandb package: pip install wandb (or --tracker=tensorboard)") from None
+        raise UsageError(
+            "--tracker=wandb needs the wandb package: pip install wandb (or --tracker=tensorboard)"
+        ) from None
     return wandb
 
 

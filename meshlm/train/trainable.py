@@ -131,11 +131,15 @@ class LoraTraining(Trainable):
 
     def describe(self, init_source, seed: int) -> list[str]:
         spec, lora = self.lora.spec, self.lora
-        lines = [f"LoRA: rank {spec.rank}, alpha {spec.alpha:g} on {len(lora.targets)} weights "
-                 f"({lora.n_params():,} trainable parameters); base frozen in {spec.base_dtype}"]
+        lines = [
+            f"LoRA: rank {spec.rank}, alpha {spec.alpha:g} on {len(lora.targets)} weights "
+            f"({lora.n_params():,} trainable parameters); base frozen in {spec.base_dtype}"
+        ]
         if init_source is None:
-            lines.append("note: --lora_rank without --init_from: the frozen base is random weights (seed "
-                         f"{seed}), so the adapters fine-tune nothing; give --init_from=MODEL for a real base")
+            lines.append(
+                "note: --lora_rank without --init_from: the frozen base is random weights (seed "
+                f"{seed}), so the adapters fine-tune nothing; give --init_from=MODEL for a real base"
+            )
         return lines
 
 

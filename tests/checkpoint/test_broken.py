@@ -17,8 +17,19 @@ STEPS = 2
 def config(out, **kw):
     from meshlm.config import TrainConfig
 
-    base = dict(model="test", dataset="synthetic", steps=STEPS, batch_size=8, seq_len=32, log_every=1,
-                output_dir=str(out), peak_tflops=1.0, dtype="float32", mesh_dim="1,8,1,1", save_every=1)
+    base = dict(
+        model="test",
+        dataset="synthetic",
+        steps=STEPS,
+        batch_size=8,
+        seq_len=32,
+        log_every=1,
+        output_dir=str(out),
+        peak_tflops=1.0,
+        dtype="float32",
+        mesh_dim="1,8,1,1",
+        save_every=1,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -63,9 +74,11 @@ def test_output_folder_that_is_a_file(tmp_path, capsys, how, command, run):
     afile = tmp_path / "notes.txt"
     afile.write_text("x")
     out = afile if how == "file" else afile / "run"
-    argv = {"train": ["train", "--model=test", "--dataset=synthetic", f"--output_dir={out}"],
-            "export": ["export", f"--checkpoint={run}", f"--out={out}"],
-            "convert": ["convert", f"--to_hf={out}", f"--checkpoint={run}"]}[command]
+    argv = {
+        "train": ["train", "--model=test", "--dataset=synthetic", f"--output_dir={out}"],
+        "export": ["export", f"--checkpoint={run}", f"--out={out}"],
+        "convert": ["convert", f"--to_hf={out}", f"--checkpoint={run}"],
+    }[command]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(out) in err, err
@@ -75,8 +88,20 @@ def test_output_folder_that_is_a_file(tmp_path, capsys, how, command, run):
 
 def test_truncated_checkpoint_names_the_step_before(run, tmp_path):
     out = broken_copy(run, tmp_path, keep_steps=(1, 2))
-    line = one_line(meshlm("train", "--devices=8", "--model=test", "--dataset=synthetic", "--steps=3", "--batch_size=8",
-                           "--seq_len=32", "--mesh_dim=1,8,1,1", f"--output_dir={out}", timeout=300))
+    line = one_line(
+        meshlm(
+            "train",
+            "--devices=8",
+            "--model=test",
+            "--dataset=synthetic",
+            "--steps=3",
+            "--batch_size=8",
+            "--seq_len=32",
+            "--mesh_dim=1,8,1,1",
+            f"--output_dir={out}",
+            timeout=300,
+        )
+    )
     assert f"{out / 'checkpoints' / '2'} is incomplete" in line and "resume from step 1" in line, line
 
 
@@ -87,16 +112,18 @@ def test_truncated_only_checkpoint_names_no_other_step(run, tmp_path):
 
         train(config(out, steps=3))
     assert "only checkpoint" in str(err.value) and "step 0" not in str(err.value), err.value
-    line = one_line(meshlm("export", f"--checkpoint={out}", f"--out={tmp_path / 'w'}", env={"JAX_PLATFORMS": "cpu"},
-                           timeout=300))
+    line = one_line(
+        meshlm("export", f"--checkpoint={out}", f"--out={tmp_path / 'w'}", env={"JAX_PLATFORMS": "cpu"}, timeout=300)
+    )
     assert "no other --step" in line, line
     assert not (tmp_path / "w").exists()
 
 
 def test_truncated_checkpoint_export_offers_steps_that_exist(run, tmp_path):
     out = broken_copy(run, tmp_path, keep_steps=(1, 2))
-    line = one_line(meshlm("export", f"--checkpoint={out}", f"--out={tmp_path / 'w'}", env={"JAX_PLATFORMS": "cpu"},
-                           timeout=300))
+    line = one_line(
+        meshlm("export", f"--checkpoint={out}", f"--out={tmp_path / 'w'}", env={"JAX_PLATFORMS": "cpu"}, timeout=300)
+    )
     assert "--step=1" in line and "--step=3" not in line, line
 
 

@@ -29,14 +29,16 @@ def save_steps(directory, steps=(1, 2)):
 
 
 def largest_array_file(step_dir):
-    return max((f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
-               key=lambda f: f.stat().st_size)
+    return max(
+        (f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
+        key=lambda f: f.stat().st_size,
+    )
 
 
 def flip_64_bytes(path):
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     path.write_bytes(bytes(data))
 
 
@@ -104,8 +106,9 @@ def test_disk_full_during_a_save_is_one_line(tmp_path, monkeypatch, capfd):
     with pytest.raises(UsageError) as err:
         ckpt.save(2, STATE, {"position": 2}, {"seed": 0})
         ckpt.close()
-    assert str(err.value).startswith(f"no space left on device writing {directory / '2'}; the last complete "
-                                     "checkpoint is 1;"), err.value
+    assert str(err.value).startswith(
+        f"no space left on device writing {directory / '2'}; the last complete checkpoint is 1;"
+    ), err.value
     assert "Traceback" not in capfd.readouterr().err
     assert Checkpointer(directory).latest_step() == 1
 
@@ -125,8 +128,10 @@ def test_truncated_checkpoint_without_checksums_is_one_line_without_a_method_rep
 
 
 def test_error_line_gives_the_store_error_under_orbax_wrapper():
-    wrapper = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
-               "details: <bound method pybind11_detail_function_record_v1_system_libstdcpp of spec>.")
+    wrapper = (
+        "Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+        "details: <bound method pybind11_detail_function_record_v1_system_libstdcpp of spec>."
+    )
     try:
         try:
             raise ValueError('OUT_OF_RANGE: Error reading "params.w/0"\nmore detail')

@@ -32,8 +32,18 @@ from tests.support.hf import (
     write_tokenizer,
 )
 
-CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96, max_seq_len=128,
-                  rope_theta=30000.0, init_std=0.15, dtype="bfloat16")
+CFG = ModelConfig(
+    vocab_size=128,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    mlp_dim=96,
+    max_seq_len=128,
+    rope_theta=30000.0,
+    init_std=0.15,
+    dtype="bfloat16",
+)
 STEP = 7
 
 
@@ -47,8 +57,11 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     placement = place(CFG, mesh_of("2,2,2,1"))
     rng = np.random.default_rng(0)  # random values placed directly: no compile for the fixture
-    params = jax.tree.map(lambda s, sh: jax.device_put(rng.normal(0, 0.15, s.shape).astype(s.dtype), sh),
-                          placement.shapes, placement.shardings)
+    params = jax.tree.map(
+        lambda s, sh: jax.device_put(rng.normal(0, 0.15, s.shape).astype(s.dtype), sh),
+        placement.shapes,
+        placement.shardings,
+    )
     optimizer = optax.adamw(1e-3)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     ckpt = Checkpointer(out / "checkpoints", async_save=False)
@@ -130,13 +143,20 @@ def test_fine_tune_from_hugging_face_weights(tmp_path):
     placement = place(cfg, mesh_of("2,2,2,1"))
     optimizer = optax.adam(1e-2)
     params = load_params(path, placement)
-    state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
-                    out_shardings=state_shardings(placement, optimizer))(params)
+    state = jax.jit(
+        lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
+        out_shardings=state_shardings(placement, optimizer),
+    )(params)
     step = make_train_step(placement, optimizer)
 
     seq = tokens_for(cfg.vocab_size, (4, 17), seed=2)
-    batch = {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
-             "segment_ids": np.ones((4, 16), np.int32), "loss_mask": np.ones((4, 16), np.float32)}
+    batch = {
+        "inputs": seq[:, :-1],
+        "targets": seq[:, 1:],
+        "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
+        "segment_ids": np.ones((4, 16), np.int32),
+        "loss_mask": np.ones((4, 16), np.float32),
+    }
     logits = torch.as_tensor(torch_logits(model, batch["inputs"]))
     targets = torch.as_tensor(seq[:, 1:]).reshape(-1).long()
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets)

@@ -32,8 +32,13 @@ from tests.support.hf import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 # (HF config overrides, mesh): MHA, GQA with rope_theta != 10000 and Llama-3 scaling, tied GQA.
 CASES = {
@@ -43,8 +48,12 @@ CASES = {
         "2,2,2,1",
     ),
     "gqa_tied_theta": (
-        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-             rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        ),
         "1,8,1,1",
     ),
 }
@@ -61,8 +70,10 @@ def assert_trees_equal(a, b):
 @pytest.mark.parametrize("tie", [False, True])
 def test_leaf_table_matches_the_model(tie):
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_dim=96, tie_embeddings=tie)
-    shapes = {jax.tree_util.keystr(p, simple=True, separator="."): tuple(s.shape)
-              for p, s in jax.tree_util.tree_flatten_with_path(place(cfg, mesh_of("1,1,1,1")).shapes)[0]}
+    shapes = {
+        jax.tree_util.keystr(p, simple=True, separator="."): tuple(s.shape)
+        for p, s in jax.tree_util.tree_flatten_with_path(place(cfg, mesh_of("1,1,1,1")).shapes)[0]
+    }
     assert {leaf.name: leaf.full_shape for leaf in leaves(cfg)} == shapes
 
 
@@ -74,9 +85,11 @@ def test_numpy_folder_maps_each_tensor_by_the_documented_layout(tmp_path):
     src = write_numpy_hf(tmp_path / "hf", cfg_hf, dtype="bfloat16", per_layer_files=True)
     out = convert_from_hf(src, tmp_path / "p")
     E, H, K, D, M = 64, 4, 2, 16, 96
-    with safe_open(str(out / PARAMS_FILE), framework="numpy") as p, \
-            safe_open(str(src / "model-00003-of-00003.safetensors"), framework="numpy") as layer1, \
-            safe_open(str(src / "model-00001-of-00003.safetensors"), framework="numpy") as rest:
+    with (
+        safe_open(str(out / PARAMS_FILE), framework="numpy") as p,
+        safe_open(str(src / "model-00003-of-00003.safetensors"), framework="numpy") as layer1,
+        safe_open(str(src / "model-00001-of-00003.safetensors"), framework="numpy") as rest,
+    ):
         assert p.get_tensor("layers.attn.wq").dtype == ml_dtypes.bfloat16
         q = layer1.get_tensor("model.layers.1.self_attn.q_proj.weight")  # [H*D, E]
         np.testing.assert_array_equal(p.get_tensor("layers.attn.wq")[1], q.T.reshape(E, H, D))
@@ -141,17 +154,29 @@ def test_logits_match_transformers(case, tmp_path):
 
 def test_round_trip_meshlm_to_transformers(tmp_path):
     """meshlm params -> Hugging Face folder (sharded) -> transformers: same logits; and back: same params."""
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, mlp_dim=96, max_seq_len=256,
-                      rope_theta=40000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), norm_eps=1e-6,
-                      init_std=0.15, dtype="float32")
+    cfg = ModelConfig(
+        vocab_size=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        mlp_dim=96,
+        max_seq_len=256,
+        rope_theta=40000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
+        norm_eps=1e-6,
+        init_std=0.15,
+        dtype="float32",
+    )
     placement = place(cfg, mesh_of("1,2,4,1"))
     params = placement.init(seed=3)
     tok_dir = write_tokenizer(tmp_path / "tok")
     p = save_params(params, cfg, tmp_path / "p", tokenizer_dir=tok_dir)
     hf_dir = convert_to_hf(p, tmp_path / "hf", max_shard_bytes=40_000)
     index = json.loads((hf_dir / INDEX_FILE).read_text())
-    assert len(set(index["weight_map"].values())) > 2 and set(index["weight_map"]) == set(hf_tensor_shapes(
-        json.loads((hf_dir / "config.json").read_text())))
+    assert len(set(index["weight_map"].values())) > 2 and set(index["weight_map"]) == set(
+        hf_tensor_shapes(json.loads((hf_dir / "config.json").read_text()))
+    )
     assert (hf_dir / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
 
     tokens = tokens_for(cfg.vocab_size, seed=1)
@@ -209,8 +234,9 @@ def test_bad_inputs_are_usage_errors(tmp_path):
         convert_from_hf(good, out)
     assert not list(tmp_path.glob(".*partial*"))  # failed conversions leave nothing behind
 
-    wrong = place(ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=96),
-                  mesh_of("1,1,1,1"))
+    wrong = place(
+        ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=96), mesh_of("1,1,1,1")
+    )
     with pytest.raises(UsageError, match="n_kv_heads=2 but this run has n_kv_heads=4"):
         load_params(out, wrong)
     with pytest.raises(UsageError, match="hf:DIR"):
@@ -250,25 +276,40 @@ def test_convert_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     """A 320 MiB model (stacked MLP leaves of 64 MiB, largest Hugging Face tensor 32 MiB) converts with
     peak RSS below base + 2 x 32 MiB + 32 MiB. VmHWM of a fresh process is the measure: getrusage's
     ru_maxrss survives exec and would report the parent's peak."""
-    cfg = dict(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=8)
+    cfg = dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     src = write_numpy_hf(tmp_path / "hf", cfg, per_layer_files=True)
     shapes = hf_tensor_shapes(cfg)
     largest = max(int(np.prod(s)) for s in shapes.values()) * 4
     total = sum(int(np.prod(s)) for s in shapes.values()) * 4
     assert total >= 200 << 20 and largest == 32 << 20
-    run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(src), str(tmp_path / "out")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     m = json.loads(run.stdout.strip().splitlines()[-1])
-    print(f"convert of {total >> 20} MiB: interpreter {m['base'] >> 20} MiB, peak {m['peak'] >> 20} MiB "
-          f"(+{(m['peak'] - m['base']) >> 20} MiB; largest tensor {largest >> 20} MiB)")
+    print(
+        f"convert of {total >> 20} MiB: interpreter {m['base'] >> 20} MiB, peak {m['peak'] >> 20} MiB "
+        f"(+{(m['peak'] - m['base']) >> 20} MiB; largest tensor {largest >> 20} MiB)"
+    )
     assert not m["jax_imported"]
     assert m["peak"] < m["base"] + 2 * largest + FIXED_OVERHEAD
     assert m["peak"] - m["base"] < total // 4  # far from holding the model (or one stacked 64 MiB leaf + copy)
     from safetensors import safe_open
 
-    with safe_open(str(tmp_path / "out" / PARAMS_FILE), framework="numpy") as p, \
-            safe_open(str(src / "model-00004-of-00005.safetensors"), framework="numpy") as layer2:
+    with (
+        safe_open(str(tmp_path / "out" / PARAMS_FILE), framework="numpy") as p,
+        safe_open(str(src / "model-00004-of-00005.safetensors"), framework="numpy") as layer2,
+    ):
         gate = layer2.get_tensor("model.layers.2.mlp.gate_proj.weight")
         np.testing.assert_array_equal(p.get_slice("layers.mlp.gate")[2], gate.T)

@@ -74,11 +74,14 @@ def test_a_misspelt_field_and_a_run_config_are_named(tmp_path):
     model config) says which flags take that run."""
     hf = dict(small_hf_config())
     hf["num_hidden_layer"] = hf.pop("num_hidden_layers")
-    assert error_of(from_hf_config, hf) == ("config.json lacks the field 'num_hidden_layers' that a LlamaConfig has "
-                                            "(it has 'num_hidden_layer': a misspelling?)")
+    assert error_of(from_hf_config, hf) == (
+        "config.json lacks the field 'num_hidden_layers' that a LlamaConfig has "
+        "(it has 'num_hidden_layer': a misspelling?)"
+    )
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"model": {}, "mesh_dim": "1,8,1,1", "train": {}}))
     assert error_of(read_hf_config, run / "config.json") == (
         f"{run / 'config.json'} is a meshlm run's settings, not a model config; start from its weights with "
-        f"--init_from={run}, or continue the run with --output_dir={run}")
+        f"--init_from={run}, or continue the run with --output_dir={run}"
+    )

@@ -33,8 +33,9 @@ def run(tmp_path_factory):
     placement = place(cfg, mesh_of("1,2,2,1"))
     lora = place_lora(placement, SPEC)
     rng = np.random.default_rng(1)
-    adapters = jax.tree.map(lambda s, sh: jax.device_put(rng.normal(0, 0.2, s.shape).astype(s.dtype), sh),
-                            lora.shapes, lora.shardings)
+    adapters = jax.tree.map(
+        lambda s, sh: jax.device_put(rng.normal(0, 0.2, s.shape).astype(s.dtype), sh), lora.shapes, lora.shardings
+    )
     base = load_params(root / "base", placement)
     state = TrainState(jnp.zeros((), jnp.int32), {"base": base, "lora": adapters}, optax.adamw(1e-3).init(adapters))
 
@@ -42,8 +43,12 @@ def run(tmp_path_factory):
         """The run's checkpoint in root/name, recording `base` as its --init_from folder."""
         ckpt = Checkpointer(root / name / "checkpoints", async_save=False)
         trainable = LoraTraining(lora)
-        ckpt.save(3, checkpointed(state, trainable), {"position": 0},
-                  {"model": dataclasses.asdict(cfg), **trainable.meta(base, 0)})
+        ckpt.save(
+            3,
+            checkpointed(state, trainable),
+            {"position": 0},
+            {"model": dataclasses.asdict(cfg), **trainable.meta(base, 0)},
+        )
         ckpt.close()
         return root / name
 
@@ -70,7 +75,8 @@ def test_peft_adapter_loads_in_peft_with_meshlm_logits(run):
     assert names[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, HF["intermediate_size"])
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(run["root"] / "base"), dtype=torch.float32, attn_implementation="eager")
+        str(run["root"] / "base"), dtype=torch.float32, attn_implementation="eager"
+    )
     model = peft.PeftModel.from_pretrained(model, str(out)).eval()
     with torch.no_grad():
         got = model(torch.as_tensor(run["tokens"], dtype=torch.long)).logits.float().numpy()
@@ -85,7 +91,10 @@ def test_merged_export_is_base_plus_adapter(run):
     peft_dir, merged = root / "peft_for_merge", root / "merged"
     assert main(["export", f"--checkpoint={root / 'run'}", f"--out={peft_dir}", "--lora_format=peft"]) == 0
     assert main(["export", f"--checkpoint={root / 'run'}", f"--out={merged}", "--merge"]) == 0
-    base, lora = load_file(str(root / "base" / "model.safetensors")), load_file(str(peft_dir / "adapter_model.safetensors"))
+    base, lora = (
+        load_file(str(root / "base" / "model.safetensors")),
+        load_file(str(peft_dir / "adapter_model.safetensors")),
+    )
     out = load_file(str(merged / "model.safetensors"))
     assert set(out) == set(base)
     adapted = 0
@@ -100,12 +109,15 @@ def test_merged_export_is_base_plus_adapter(run):
     np.testing.assert_allclose(hf_folder_logits(merged, run["tokens"]), run["logits"], atol=1e-4)
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--lora_format=gguf"], "--lora_format=gguf: the one format is peft"),
-    (["--lora_format=peft", "--merge"], "pass one of them"),
-    (["--base=x"], "add --lora_format=peft or --merge"),
-    ([], "--lora_format=peft writes the adapters"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lora_format=gguf"], "--lora_format=gguf: the one format is peft"),
+        (["--lora_format=peft", "--merge"], "pass one of them"),
+        (["--base=x"], "add --lora_format=peft or --merge"),
+        ([], "--lora_format=peft writes the adapters"),
+    ],
+)
 def test_bad_export_flags_one_line(run, tmp_path, capsys, flags, says):
     code = main(["export", f"--checkpoint={run['root'] / 'run'}", f"--out={tmp_path / 'o'}", *flags])
     err = capsys.readouterr().err.strip()
@@ -136,8 +148,18 @@ def test_peft_export_after_convert_names_the_hugging_face_base(run, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "give --base=DIR" in err and "\n" not in err, err
     assert not (root / "peft2").exists()
-    assert main(["export", f"--checkpoint={checkpoint}", f"--out={root / 'peft2'}", "--lora_format=peft",
-                 f"--base={root / 'base'}"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                f"--checkpoint={checkpoint}",
+                f"--out={root / 'peft2'}",
+                "--lora_format=peft",
+                f"--base={root / 'base'}",
+            ]
+        )
+        == 0
+    )
 
 
 def test_lora_checkpoint_is_a_weight_source_merged_alike_on_host_and_mesh(run):

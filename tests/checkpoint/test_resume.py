@@ -22,8 +22,17 @@ STEPS = 6
 
 def config(out, **kw):
     base = dict(
-        model="test", dataset="synthetic", steps=STEPS, batch_size=8, seq_len=32, log_every=1, lr=1e-2,
-        output_dir=str(out), peak_tflops=1.0, dtype="float32", mesh_dim="1,8,1,1",
+        model="test",
+        dataset="synthetic",
+        steps=STEPS,
+        batch_size=8,
+        seq_len=32,
+        log_every=1,
+        lr=1e-2,
+        output_dir=str(out),
+        peak_tflops=1.0,
+        dtype="float32",
+        mesh_dim="1,8,1,1",
     )
     return TrainConfig(**{**base, **kw})
 
@@ -120,8 +129,20 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     cmd = [
-        sys.executable, "-m", "meshlm", "train", "--devices=8", "--model=tiny", "--dataset=synthetic", "--steps=200",
-        "--batch_size=8", "--seq_len=32", "--save_every=1", "--keep=2", "--log_every=1", "--peak_tflops=1",
+        sys.executable,
+        "-m",
+        "meshlm",
+        "train",
+        "--devices=8",
+        "--model=tiny",
+        "--dataset=synthetic",
+        "--steps=200",
+        "--batch_size=8",
+        "--seq_len=32",
+        "--save_every=1",
+        "--keep=2",
+        "--log_every=1",
+        "--peak_tflops=1",
         f"--output_dir={tmp_path}",
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -134,8 +155,14 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     proc.wait(timeout=60)
     latest = Checkpointer(ckpts).latest_step()
     assert latest is not None and latest >= 1
-    result = subprocess.run(cmd[:-4] + ["--steps", str(latest + 1), "--log_every=1", "--peak_tflops=1", f"--output_dir={tmp_path}"],
-                            env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    result = subprocess.run(
+        cmd[:-4] + ["--steps", str(latest + 1), "--log_every=1", "--peak_tflops=1", f"--output_dir={tmp_path}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"resumed from {ckpts / str(latest)}" in result.stdout.replace("\n", "")
 

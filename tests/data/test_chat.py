@@ -34,8 +34,10 @@ CONVERSATION = [
     {"role": "assistant", "content": "Eight, since 2 × 4 = 8."},
 ]
 # A template of the tokenizer's own (tokenizer_config.json), with an end-of-turn marker it does not know.
-OWN_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n<|end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}### assistant\n{% endif %}")
+OWN_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -102,14 +104,18 @@ def test_serving_prompt_equals_the_training_tokens_up_to_each_reply(tok, tmp_pat
 
         Tokenizer(tok._tok, eos_token=tok.eos_token).save(tmp_path / "tokenizer")  # a copy: the fixture stays as it is
         config = json.loads((tmp_path / "tokenizer" / "tokenizer_config.json").read_text())
-        (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": OWN_TEMPLATE}))
+        (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": OWN_TEMPLATE})
+        )
         tok = Tokenizer.from_file(tmp_path / "tokenizer")
         template, origin = resolve_chat_template(None, tok)
         assert origin == "the tokenizer's own" and template.source == OWN_TEMPLATE
         served = ChatTemplate.from_source(OWN_TEMPLATE, bos_token="", eos_token=tok.eos_token)
     else:
         template, _ = resolve_chat_template(source, tok)
-        served = ChatTemplate() if source == "plain" else ChatTemplate.from_source(CHATML_TEMPLATE, eos_token=tok.eos_token)
+        served = (
+            ChatTemplate() if source == "plain" else ChatTemplate.from_source(CHATML_TEMPLATE, eos_token=tok.eos_token)
+        )
     ids, weights = encode_conversation(template, tok, CONVERSATION)
     for k, m in enumerate(CONVERSATION):
         if m["role"] != "assistant":
@@ -121,13 +127,18 @@ def test_serving_prompt_equals_the_training_tokens_up_to_each_reply(tok, tmp_pat
 
 def test_packing_keeps_conversations_whole_with_their_segment_ids():
     eos, T = 0, 8
-    convs = [([5, 6, 7], [0, 0, 1]), ([8, 9, 0], [0, 1, 1]), ([3, 4, 5, 6, 0], [0, 0, 1, 1, 1]), ([9] * 8, [0] + [1] * 7)]
+    convs = [
+        ([5, 6, 7], [0, 0, 1]),
+        ([8, 9, 0], [0, 1, 1]),
+        ([3, 4, 5, 6, 0], [0, 0, 1, 1, 1]),
+        ([9] * 8, [0] + [1] * 7),
+    ]
     tokens, flags, stats = pack_conversations(convs, T, eos)
     assert stats == {"conversations": 4, "truncated": 0, "dropped": 0, "blocks": 3, "targets": 15, "counted": 13}
     # block 0: conv 0 + conv 1 (6 tokens) + 2 pad; block 1: conv 2 + 3 pad; block 2: conv 3; then one closing pad
     np.testing.assert_array_equal(tokens, [5, 6, 7, 8, 9, 0, 0, 0, 3, 4, 5, 6, 0, 0, 0, 0] + [9] * 8 + [0])
-    rows = np.stack([tokens[r * T: r * T + T + 1] for r in range(3)])
-    b = pack_chat_rows(rows, np.stack([flags[r * T: r * T + T + 1] for r in range(3)]))
+    rows = np.stack([tokens[r * T : r * T + T + 1] for r in range(3)])
+    b = pack_chat_rows(rows, np.stack([flags[r * T : r * T + T + 1] for r in range(3)]))
     np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 1, 2, 2, 2, 3, 3], [1] * 5 + [2] * 3, [1] * 8])
     np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2], list(range(8))])
     np.testing.assert_array_equal(b["loss_mask"], [[0, 1, 0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0], [1] * 7 + [0]])
@@ -183,7 +194,9 @@ def test_plain_jsonl_under_another_key_and_the_errors_name_the_flag(tok, tmp_pat
         make_loader(str(plain), tok, 32, 4)
     loader = make_loader(str(plain), tok, 32, 4, text_field="body")
     assert loader.chat is None and loader.num_rows > 4
-    with pytest.raises(UsageError, match="--loss_on, --chat_template apply to chat data|--chat_template, --loss_on apply"):
+    with pytest.raises(
+        UsageError, match="--loss_on, --chat_template apply to chat data|--chat_template, --loss_on apply"
+    ):
         make_loader(str(plain), tok, 32, 4, text_field="body", chat_template="chatml", loss_on="assistant")
     assert make_loader(str(plain), tok, 32, 4, text_field="body", loss_on="all").chat is None  # plain text counts all
     chat = chat_file(tmp_path / "chat.jsonl", [CONVERSATION] * 4)
@@ -199,11 +212,14 @@ def test_plain_jsonl_under_another_key_and_the_errors_name_the_flag(tok, tmp_pat
         make_loader(str(bad), tok, 64, 2)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(loss_on="replies"), "--loss_on=replies: choose assistant or all"),
-    (dict(long_conversations="cut"), "--long_conversations=cut: choose truncate or drop"),
-    (dict(text_field=" "), "--text_field is empty"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(loss_on="replies"), "--loss_on=replies: choose assistant or all"),
+        (dict(long_conversations="cut"), "--long_conversations=cut: choose truncate or drop"),
+        (dict(text_field=" "), "--text_field is empty"),
+    ],
+)
 def test_bad_chat_flags_are_one_line(flags, message):
     with pytest.raises(UsageError, match=message):
         TrainConfig(**flags).validate()

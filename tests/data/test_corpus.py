@@ -78,9 +78,7 @@ def test_fingerprint_follows_file_contents(tmp_path):
     assert open_corpus(str(path)).fingerprint == before
     path.write_text("one two")
     assert open_corpus(str(path)).fingerprint != before
-    assert (
-        open_corpus(str(path), text_field="body").fingerprint != open_corpus(str(path)).fingerprint
-    )
+    assert open_corpus(str(path), text_field="body").fingerprint != open_corpus(str(path)).fingerprint
 
 
 def test_synthetic_spec():

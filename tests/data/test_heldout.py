@@ -35,7 +35,7 @@ def tok(dataset, cache):
 def rows_of(loader, batch):
     """The corpus row ids of a packed batch, found by matching each row's tokens."""
     T = loader.seq_len
-    index = {loader.tokens[r * T: r * T + T + 1].tobytes(): r for r in range(loader.num_rows)}
+    index = {loader.tokens[r * T : r * T + T + 1].tobytes(): r for r in range(loader.num_rows)}
     full = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1).astype(loader.tokens.dtype)
     return [index[row.tobytes()] for row in full]
 
@@ -65,7 +65,7 @@ def test_held_out_rows_never_train(dataset, tok, cache):
     evals = make_eval_batches(loader, None, None)
     assert isinstance(evals, EvalBatches) and evals.n_batches == min(10, len(held) // BATCH)
     for b, batch in enumerate(evals.batches()):
-        assert rows_of(loader, batch) == loader.held_out[b * BATCH:(b + 1) * BATCH].tolist()
+        assert rows_of(loader, batch) == loader.held_out[b * BATCH : (b + 1) * BATCH].tolist()
 
 
 def test_no_eval_flag_leaves_the_training_stream_unchanged(dataset, tok, cache):
@@ -73,9 +73,9 @@ def test_no_eval_flag_leaves_the_training_stream_unchanged(dataset, tok, cache):
     assert loader.held_out is None and "held_out" not in loader.state()
     for step in (0, 1, loader.steps_per_epoch + 2):
         epoch, k = divmod(step, loader.steps_per_epoch)
-        ids = np.random.default_rng([5, epoch]).permutation(loader.num_rows)[k * BATCH:(k + 1) * BATCH]
+        ids = np.random.default_rng([5, epoch]).permutation(loader.num_rows)[k * BATCH : (k + 1) * BATCH]
         T = SEQ
-        want = pack_rows(np.stack([loader.tokens[r * T: r * T + T + 1] for r in ids]), tok.eos_id)
+        want = pack_rows(np.stack([loader.tokens[r * T : r * T + T + 1] for r in ids]), tok.eos_id)
         got = loader.batch(step)
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
@@ -83,8 +83,14 @@ def test_no_eval_flag_leaves_the_training_stream_unchanged(dataset, tok, cache):
 
 def test_each_process_reads_only_its_rows_of_an_eval_batch(dataset, tok, cache):
     whole = make_eval_batches(make_loader(dataset, tok, SEQ, BATCH, cache_dir=cache, eval_split=0.2), None, 2)
-    parts = [make_eval_batches(make_loader(dataset, tok, SEQ, BATCH, process_index=p, process_count=2, cache_dir=cache,
-                                           eval_split=0.2), None, 2) for p in range(2)]
+    parts = [
+        make_eval_batches(
+            make_loader(dataset, tok, SEQ, BATCH, process_index=p, process_count=2, cache_dir=cache, eval_split=0.2),
+            None,
+            2,
+        )
+        for p in range(2)
+    ]
     for b in range(2):
         assert parts[0].global_rows(b).tolist() + parts[1].global_rows(b).tolist() == whole.global_rows(b).tolist()
         for key, value in whole.batch(b).items():

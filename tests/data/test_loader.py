@@ -69,22 +69,11 @@ def test_pack_rows_by_hand():
 
 
 def _check_packing(b, eos_id):
-    inputs, targets, pos, seg, mask = (
-        b[k] for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-    )
-    assert (
-        inputs.shape
-        == targets.shape
-        == pos.shape
-        == seg.shape
-        == mask.shape
-        == (inputs.shape[0], SEQ)
-    )
+    inputs, targets, pos, seg, mask = (b[k] for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask"))
+    assert inputs.shape == targets.shape == pos.shape == seg.shape == mask.shape == (inputs.shape[0], SEQ)
     np.testing.assert_array_equal(targets[:, :-1], inputs[:, 1:])
     starts = np.ones_like(inputs, dtype=bool)
-    starts[:, 1:] = (
-        inputs[:, :-1] == eos_id
-    )  # a document starts after each eos and at the row start
+    starts[:, 1:] = inputs[:, :-1] == eos_id  # a document starts after each eos and at the row start
     # positions restart at each document start and count up by one otherwise
     assert (pos[starts] == 0).all()
     np.testing.assert_array_equal(pos[:, 1:][~starts[:, 1:]], pos[:, :-1][~starts[:, 1:]] + 1)
@@ -113,9 +102,7 @@ def test_stream_is_documents_joined_by_eos(loader, tok, docs):
 
 def test_unshuffled_epoch_makes_every_token_a_target_once(dataset, tok, cache):
     plain = make_loader(dataset, tok, SEQ, BATCH, shuffle=False, cache_dir=cache)
-    targets = np.concatenate(
-        [plain.batch(s)["targets"].ravel() for s in range(plain.steps_per_epoch)]
-    )
+    targets = np.concatenate([plain.batch(s)["targets"].ravel() for s in range(plain.steps_per_epoch)])
     n = plain.steps_per_epoch * BATCH * SEQ
     np.testing.assert_array_equal(targets, np.asarray(plain.tokens[1 : n + 1]))
     assert plain.num_rows == (len(plain.tokens) - 1) // SEQ
@@ -133,10 +120,7 @@ def test_epochs_reshuffle_and_cover_distinct_rows(loader):
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_processes_split_the_global_batch(dataset, tok, cache, loader, processes):
-    parts = [
-        make_loader(dataset, tok, SEQ, BATCH, p, processes, cache_dir=cache)
-        for p in range(processes)
-    ]
+    parts = [make_loader(dataset, tok, SEQ, BATCH, p, processes, cache_dir=cache) for p in range(processes)]
     for step in (
         0,
         1,
@@ -218,9 +202,7 @@ def test_synthetic(tok):
     np.testing.assert_array_equal(b["positions"], np.tile(np.arange(SEQ), (BATCH, 1)))
     assert (b["segment_ids"] == 1).all() and (b["loss_mask"] == 1).all()
     assert not np.array_equal(whole.batch(1)["inputs"], b["inputs"])
-    np.testing.assert_array_equal(
-        make_loader("synthetic", synth, SEQ, BATCH, seed=3).batch(0)["inputs"], b["inputs"]
-    )
+    np.testing.assert_array_equal(make_loader("synthetic", synth, SEQ, BATCH, seed=3).batch(0)["inputs"], b["inputs"])
     halves = [make_loader("synthetic", synth, SEQ, BATCH, p, 2, seed=3).batch(0) for p in range(2)]
     np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]), b["inputs"])
     # a real tokenizer's vocabulary works too: random ids below its vocab_size

@@ -16,6 +16,7 @@ SEQ, BATCH = 16, 4
 
 class Bytes:
     """A byte tokenizer: ids 0..255 for bytes, 256 the end of text; no training, so tests stay fast."""
+
     vocab_size, eos_id, fingerprint = 257, 256, "bytes-257"
 
     def encode(self, text):
@@ -67,18 +68,25 @@ def damage_id_beyond_vocab(path):
     np.save(path, tokens)
 
 
-@pytest.mark.parametrize("damage, why", [
-    (damage_truncate, "is 1,065 bytes and its header says 2,130"),
-    (damage_random_bytes, "has no readable .npy header"),
-    (damage_id_beyond_vocab, "holds id 257, outside the tokenizer's vocabulary of 257"),
-])
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (damage_truncate, "is 1,065 bytes and its header says 2,130"),
+        (damage_random_bytes, "has no readable .npy header"),
+        (damage_id_beyond_vocab, "holds id 257, outside the tokenizer's vocabulary of 257"),
+    ],
+)
 def test_a_damaged_cache_is_rebuilt_with_one_line(corpus, cached, damage, why):
     cache, path, want = cached
     damage(path)
     got, said = tokenize(corpus, cache)
     np.testing.assert_array_equal(got, want)
     note, done = said.splitlines()  # the note, then the usual line of a tokenization
-    assert note.startswith(f"[meshlm] the token cache {path} ") and why in note and note.endswith(f"tokenizing {corpus} again")
+    assert (
+        note.startswith(f"[meshlm] the token cache {path} ")
+        and why in note
+        and note.endswith(f"tokenizing {corpus} again")
+    )
     assert done.startswith(f"[meshlm] tokenized {corpus}")
     np.testing.assert_array_equal(open_token_cache(path, np.uint16, Bytes.vocab_size), want)  # rewritten whole
 

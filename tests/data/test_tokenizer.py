@@ -81,15 +81,11 @@ def test_cache_key_covers_vocab_and_corpus(tmp_path):
     other_vocab = train_tokenizer(str(tmp_path / "a.txt"), 290, cache_dir=tmp_path / "c")
     assert other_vocab.path != first.path
     (tmp_path / "a.txt").write_text("a different corpus entirely\n" * 50)
-    assert (
-        train_tokenizer(str(tmp_path / "a.txt"), 300, cache_dir=tmp_path / "c").path != first.path
-    )
+    assert train_tokenizer(str(tmp_path / "a.txt"), 300, cache_dir=tmp_path / "c").path != first.path
 
 
 def test_training_is_deterministic(tmp_path):
-    (tmp_path / "a.txt").write_text(
-        "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(300))
-    )
+    (tmp_path / "a.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(300)))
     a = train_tokenizer(str(tmp_path / "a.txt"), 320, cache_dir=tmp_path / "c1")
     b = train_tokenizer(str(tmp_path / "a.txt"), 320, cache_dir=tmp_path / "c2")
     assert a.path != b.path and a.path.read_text() == b.path.read_text()
@@ -112,10 +108,7 @@ def test_capped_training_text_is_a_deterministic_prefix():
 def test_save_and_load(tok, tmp_path):
     path = tok.save(tmp_path / "export")
     assert path == tmp_path / "export" / "tokenizer.json" and tok.path == path
-    assert (
-        json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["eos_token"]
-        == EOS_TOKEN
-    )
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["eos_token"] == EOS_TOKEN
     for spec in (tmp_path / "export", path):
         loaded = load_tokenizer(str(spec), "stdlib", 99999)  # a given tokenizer is used as is
         assert loaded.vocab_size == tok.vocab_size and loaded.eos_id == tok.eos_id

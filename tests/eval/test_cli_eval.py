@@ -23,17 +23,20 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--batch_size=0"], "--batch_size=0 must be a positive integer"),
-    (["--max_gen_toks=-1"], "--max_gen_toks=-1 must be a positive integer"),
-    (["--num_fewshot=-1"], "--num_fewshot=-1 must be 0 or more"),
-    (["--limit=1.5"], "--limit=1.5: give a number of examples"),
-    (["--limit=0"], "--limit=0: give a number of examples"),
-    (["--include_path=/no/such/folder"], "is not a folder"),
-    (["--log_samples"], "give --output_path=FOLDER"),
-    (["--taks=x"], "did you mean --tasks?"),
-    (["--prefill_buckets=a,b"], "--prefill_buckets=a,b: give comma-separated lengths"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch_size=0"], "--batch_size=0 must be a positive integer"),
+        (["--max_gen_toks=-1"], "--max_gen_toks=-1 must be a positive integer"),
+        (["--num_fewshot=-1"], "--num_fewshot=-1 must be 0 or more"),
+        (["--limit=1.5"], "--limit=1.5: give a number of examples"),
+        (["--limit=0"], "--limit=0: give a number of examples"),
+        (["--include_path=/no/such/folder"], "is not a folder"),
+        (["--log_samples"], "give --output_path=FOLDER"),
+        (["--taks=x"], "did you mean --tasks?"),
+        (["--prefill_buckets=a,b"], "--prefill_buckets=a,b: give comma-separated lengths"),
+    ],
+)
 def test_bad_flags_are_one_line_and_exit_2(capsys, checkpoint, tasks, flags, message):
     base = [f"--checkpoint={checkpoint}", f"--include_path={tasks[0]}", f"--tasks={tasks[1]['mc']}"]
     names = {f.split("=")[0] for f in flags}
@@ -43,7 +46,8 @@ def test_bad_flags_are_one_line_and_exit_2(capsys, checkpoint, tasks, flags, mes
 
 def test_missing_checkpoint_and_tasks(capsys, tasks):
     assert "--checkpoint=/no/such/run does not exist" in _one_line_error(
-        capsys, ["eval", "--checkpoint=/no/such/run", f"--tasks={tasks[1]['mc']}"])
+        capsys, ["eval", "--checkpoint=/no/such/run", f"--tasks={tasks[1]['mc']}"]
+    )
     assert "--tasks" in _one_line_error(capsys, ["eval", "--checkpoint=/no/such/run"])
 
 
@@ -52,8 +56,9 @@ def test_unknown_task_lists_close_names(capsys, checkpoint, tasks):
     takes seconds, and both names need it."""
     pytest.importorskip("lm_eval")
     folder, names = tasks
-    err = _one_line_error(capsys, ["eval", f"--checkpoint={checkpoint}", f"--include_path={folder}",
-                                   "--tasks=meshlm_mc2O,hellaswagg"])
+    err = _one_line_error(
+        capsys, ["eval", f"--checkpoint={checkpoint}", f"--include_path={folder}", "--tasks=meshlm_mc2O,hellaswagg"]
+    )
     assert "no task named meshlm_mc2O, hellaswagg;" in err
     close = err.split("close names:")[1]
     assert names["mc"] in close and "hellaswag" in close.replace("hellaswagg", "")
@@ -76,8 +81,18 @@ def test_every_flag_is_documented(capsys):
         for flag in action.option_strings:
             if flag.startswith("--") and flag != "--help":
                 assert flag in out and action.help, flag
-    for flag in ("--checkpoint", "--mesh_dim", "--tasks", "--num_fewshot", "--limit", "--batch_size",
-                 "--output_path", "--include_path", "--max_seq_len", "--devices"):
+    for flag in (
+        "--checkpoint",
+        "--mesh_dim",
+        "--tasks",
+        "--num_fewshot",
+        "--limit",
+        "--batch_size",
+        "--output_path",
+        "--include_path",
+        "--max_seq_len",
+        "--devices",
+    ):
         assert flag in out, flag
 
 
@@ -86,8 +101,16 @@ def test_tiny_preset_on_a_100_question_task_within_two_minutes(tmp_path):
     checkpoint = save_checkpoint(tmp_path / "model", "tiny")
     name = multiple_choice(tmp_path / "tasks", 100, seed=3)
     t0 = time.perf_counter()
-    result = meshlm("eval", f"--checkpoint={checkpoint}", "--devices=2", f"--include_path={tmp_path / 'tasks'}",
-                    f"--tasks={name}", "--batch_size=32", f"--output_path={tmp_path / 'out.json'}", timeout=300)
+    result = meshlm(
+        "eval",
+        f"--checkpoint={checkpoint}",
+        "--devices=2",
+        f"--include_path={tmp_path / 'tasks'}",
+        f"--tasks={name}",
+        "--batch_size=32",
+        f"--output_path={tmp_path / 'out.json'}",
+        timeout=300,
+    )
     seconds = time.perf_counter() - t0
     assert result.returncode == 0, result.stderr[-3000:]
     assert name in result.stdout and "acc_norm" in result.stdout
@@ -111,8 +134,11 @@ def test_a_task_whose_data_cannot_be_downloaded_is_one_usage_error(monkeypatch):
         raise PermissionError("permission denied: results.json")
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
-    with pytest.raises(UsageError, match=r"could not download a task's data \(Couldn't reach 'Rowan/hellaswag'.*"
-                                         r"HF_DATASETS_OFFLINE=1.*--include_path"):
+    with pytest.raises(
+        UsageError,
+        match=r"could not download a task's data \(Couldn't reach 'Rowan/hellaswag'.*"
+        r"HF_DATASETS_OFFLINE=1.*--include_path",
+    ):
         harness.run_tasks(object(), ["hellaswag"], None)
     monkeypatch.setattr(lm_eval, "simple_evaluate", local_fault)
     with pytest.raises(PermissionError):

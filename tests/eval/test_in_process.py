@@ -29,12 +29,27 @@ def in_process(checkpoint, tasks, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_out")
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        assert main(["eval", f"--checkpoint={checkpoint}", "--mesh_dim=2,1,4,1", f"--max_seq_len={CONTEXT}",
-                     f"--include_path={folder}", f"--tasks={','.join(names.values())}", "--batch_size=8",
-                     f"--output_path={out}", "--log_samples"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    f"--checkpoint={checkpoint}",
+                    "--mesh_dim=2,1,4,1",
+                    f"--max_seq_len={CONTEXT}",
+                    f"--include_path={folder}",
+                    f"--tasks={','.join(names.values())}",
+                    "--batch_size=8",
+                    f"--output_path={out}",
+                    "--log_samples",
+                ]
+            )
+            == 0
+        )
     [results_file] = list(out.rglob("results_*.json"))
-    samples = {name: {s["doc_id"]: s for s in read_samples(next(out.rglob(f"samples_{name}_*.jsonl")))}
-               for name in names.values()}
+    samples = {
+        name: {s["doc_id"]: s for s in read_samples(next(out.rglob(f"samples_{name}_*.jsonl")))}
+        for name in names.values()
+    }
     return json.loads(results_file.read_text()), samples, text.getvalue()
 
 
@@ -57,11 +72,22 @@ def via_server(checkpoint, tasks):
         with live_server(create_app(engine)) as url:
             # max_length: lm-eval keeps one token for generation and makes rolling windows of max_length - 2
             # predicted tokens: CONTEXT + 1 gives the in-process windows (CONTEXT - 1).
-            args = {"model": engine.model_name, "base_url": f"{url}/v1/completions", "tokenizer_backend": "huggingface",
-                    "tokenizer": str(checkpoint / "tokenizer"), "tokenized_requests": True, "max_length": CONTEXT + 1}
-            results = simple_evaluate(model="local-completions", model_args=args, tasks=list(names.values()),
-                                      batch_size=8, log_samples=True,
-                                      task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+            args = {
+                "model": engine.model_name,
+                "base_url": f"{url}/v1/completions",
+                "tokenizer_backend": "huggingface",
+                "tokenizer": str(checkpoint / "tokenizer"),
+                "tokenized_requests": True,
+                "max_length": CONTEXT + 1,
+            }
+            results = simple_evaluate(
+                model="local-completions",
+                model_args=args,
+                tasks=list(names.values()),
+                batch_size=8,
+                log_samples=True,
+                task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+            )
     finally:
         engine.stop()
     samples = {name: {s["doc_id"]: s for s in results["samples"][name]} for name in names.values()}
@@ -69,8 +95,11 @@ def via_server(checkpoint, tasks):
 
 
 def _loglikelihoods(sample: dict) -> list[float]:
-    return [float(r[0]) for r in sample["filtered_resps"]] if isinstance(sample["filtered_resps"][0], (list, tuple)) \
+    return (
+        [float(r[0]) for r in sample["filtered_resps"]]
+        if isinstance(sample["filtered_resps"][0], (list, tuple))
         else [float(r) for r in sample["filtered_resps"]]
+    )
 
 
 def test_same_accuracy_and_loglikelihoods_as_local_completions_on_meshlm_serve(in_process, via_server, tasks):
@@ -83,8 +112,13 @@ def test_same_accuracy_and_loglikelihoods_as_local_completions_on_meshlm_serve(i
     for task in (mc, rolling):
         assert set(ours_samples[task]) == set(their_samples[task]) == set(range(len(ours_samples[task])))
         for doc_id, sample in ours_samples[task].items():
-            np.testing.assert_allclose(_loglikelihoods(sample), _loglikelihoods(their_samples[task][doc_id]),
-                                       atol=ATOL, rtol=0, err_msg=f"{task} doc {doc_id}")
+            np.testing.assert_allclose(
+                _loglikelihoods(sample),
+                _loglikelihoods(their_samples[task][doc_id]),
+                atol=ATOL,
+                rtol=0,
+                err_msg=f"{task} doc {doc_id}",
+            )
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         np.testing.assert_allclose(ours["results"][rolling][metric], theirs["results"][rolling][metric], rtol=1e-4)
     # Greedy generation with stop strings: the same text from the in-process engine and the server's.
@@ -97,9 +131,9 @@ def _model_tokens(tokenizer, context: str, continuation: str) -> tuple[list[int]
     """lm-eval's rule for a causal model, written out here: trailing spaces of the context go to the
     continuation, the pair is encoded whole and split after the context's own tokens."""
     stripped = context.rstrip()
-    continuation = context[len(stripped):] + continuation
+    continuation = context[len(stripped) :] + continuation
     whole, head = tokenizer.encode(stripped + continuation), tokenizer.encode(stripped)
-    return head, whole[len(head):]
+    return head, whole[len(head) :]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +153,7 @@ def reference(checkpoint):
     def logprob(context_ids: list[int], continuation_ids: list[int]) -> float:
         seq = context_ids + continuation_ids
         padded = np.zeros((1, CONTEXT), np.int32)  # one compiled shape; causal: padding after changes nothing
-        padded[0, :len(seq)] = seq
+        padded[0, : len(seq)] = seq
         table = np.asarray(forward(params, padded))[0]
         n = len(context_ids)
         return float(sum(table[n - 1 + i, t] for i, t in enumerate(continuation_ids)))
@@ -147,7 +181,7 @@ def test_loglikelihoods_equal_an_independent_forward_pass(in_process, reference,
         total = logprob([tokenizer.eos_id], ids[:window])
         for start in range(window, len(ids), window):
             end = min(start + window, len(ids))
-            total += logprob(ids[end - window - 1:start], ids[start:end])
+            total += logprob(ids[end - window - 1 : start], ids[start:end])
         assert abs(total - _loglikelihoods(sample)[0]) < 10 * ATOL
         checked += 1
     assert checked == 22
@@ -174,11 +208,17 @@ def test_registered_as_meshlm_and_scoring_after_generating(checkpoint, tasks, in
     import meshlm.eval.lm  # noqa: F401  (registers the name)
 
     folder, names = tasks
-    lm = lm_eval.api.registry.get_model("meshlm").create_from_arg_obj({"checkpoint": str(checkpoint), "context": 64},
-                                                                       {"batch_size": 4})
+    lm = lm_eval.api.registry.get_model("meshlm").create_from_arg_obj(
+        {"checkpoint": str(checkpoint), "context": 64}, {"batch_size": 4}
+    )
     try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=[names["gen"], names["mc"]], limit=4, log_samples=True,
-                                          task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[names["gen"], names["mc"]],
+            limit=4,
+            log_samples=True,
+            task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+        )
         assert lm.engine is not None and lm.scorer() is lm.engine.scorer()
     finally:
         lm.close()

@@ -24,9 +24,15 @@ def test_scoring_sequence_cuts_the_context_from_the_left_only():
 
 def test_continuation_score_sums_the_last_tokens():
     n = 5
-    scores = Scores(np.arange(n, dtype=np.int32), np.array([np.nan, -1, -2, -3, -4], np.float32),
-                    np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32),
-                    np.array([False, True, False, True, True]), np.zeros(0, np.int32), np.zeros(0, np.float32))
+    scores = Scores(
+        np.arange(n, dtype=np.int32),
+        np.array([np.nan, -1, -2, -3, -4], np.float32),
+        np.zeros((n, 0), np.int32),
+        np.zeros((n, 0), np.float32),
+        np.array([False, True, False, True, True]),
+        np.zeros(0, np.int32),
+        np.zeros(0, np.float32),
+    )
     assert continuation_score(scores, 2) == (-7.0, True)
     assert continuation_score(scores, 3) == (-9.0, False)
     assert continuation_score(scores, 0) == (0.0, True)
@@ -39,14 +45,22 @@ def test_length_batches_go_longest_first_and_cover_everything_once():
 
 
 def test_generation_request_leaves_room_for_the_new_tokens():
-    req = generation_request(list(range(100)), {"until": ["\n", "", "\n"], "max_gen_toks": 8}, context=64,
-                             longest_prompt=64, default_max_tokens=256, seed=1, fallback_token=0)
+    req = generation_request(
+        list(range(100)),
+        {"until": ["\n", "", "\n"], "max_gen_toks": 8},
+        context=64,
+        longest_prompt=64,
+        default_max_tokens=256,
+        seed=1,
+        fallback_token=0,
+    )
     assert req.max_tokens == 8 and req.prompt_ids == list(range(44, 100)) and req.stop == ("\n",)
     assert req.sampling.temperature == 0 and req.sampling.seed is None  # greedy unless the task samples
     req = generation_request([], {}, context=64, longest_prompt=32, default_max_tokens=256, seed=1, fallback_token=7)
     assert req.prompt_ids == [7] and req.max_tokens == 63
-    req = generation_request(list(range(50)), {}, context=64, longest_prompt=32, default_max_tokens=16, seed=1,
-                             fallback_token=0)
+    req = generation_request(
+        list(range(50)), {}, context=64, longest_prompt=32, default_max_tokens=16, seed=1, fallback_token=0
+    )
     assert len(req.prompt_ids) == 32 and req.max_tokens == 16
 
 

@@ -20,7 +20,9 @@ BASE = dict(model="test", model_overrides={"n_layers": "4"}, batch_size=8, seq_l
 CASES = {
     "pp2-1f1b": dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="1f1b", microbatches=4),
     "pp4-gpipe": dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="gpipe", microbatches=4),
-    "pp2-interleaved": dict(pp=2, mesh_dim="1,1,4,1", pipeline_schedule="interleaved", virtual_stages=2, microbatches=4),
+    "pp2-interleaved": dict(
+        pp=2, mesh_dim="1,1,4,1", pipeline_schedule="interleaved", virtual_stages=2, microbatches=4
+    ),
 }
 
 
@@ -33,8 +35,15 @@ def case(request):
     report = explain(cfg, job=job, compiled=compiled)
     text = io.StringIO()
     print_report(report, file=text)
-    return dict(flags=flags, report=report, text=text.getvalue(), placement=job.placement, step=compiled.step,
-                batch=compiled.batch, schedule=job.pipeline)
+    return dict(
+        flags=flags,
+        report=report,
+        text=text.getvalue(),
+        placement=job.placement,
+        step=compiled.step,
+        batch=compiled.batch,
+        schedule=job.pipeline,
+    )
 
 
 def test_stage_layout(case):
@@ -72,8 +81,11 @@ def test_bubble_and_picture_are_the_schedule_tables(case):
 
 def test_transfers_match_the_compiled_collective_permutes(case):
     x, s = case["report"]["pipeline"]["transfers"], case["schedule"]
-    permutes = [c for c in parse_collectives(case["step"].as_text())
-                if c.kind == "collective-permute" and c.op_name.endswith("/ppermute")]  # the pipeline's own
+    permutes = [
+        c
+        for c in parse_collectives(case["step"].as_text())
+        if c.kind == "collective-permute" and c.op_name.endswith("/ppermute")
+    ]  # the pipeline's own
     assert x["compiled"]["bytes"] == sum(c.total_bytes for c in permutes) > 0
     assert x["compiled"]["count"] == sum(c.count for c in permutes)
     clocks = int(np.count_nonzero(s.kinds & FWD)) + int(np.count_nonzero(s.kinds & BWD))
@@ -82,7 +94,11 @@ def test_transfers_match_the_compiled_collective_permutes(case):
     mb = (8 // s.microbatches) * 32 * 64 * 4  # one microbatch's stage input [B/M, T, d_model], float32
     assert x["microbatch_bytes"] == mb and mb % x["per_device_bytes"] == 0
     useful = x["useful_by_rank"]  # every stage but the last sends M activations, every stage but the first M cotangents
-    assert sum(u["activations"] for u in useful) == sum(u["cotangents"] for u in useful) == s.microbatches * (s.pp * s.virtual - 1)
+    assert (
+        sum(u["activations"] for u in useful)
+        == sum(u["cotangents"] for u in useful)
+        == s.microbatches * (s.pp * s.virtual - 1)
+    )
     pp_rows = [c for c in case["report"]["collectives"] if "pp" in c["axes"]]
     assert {c["role"] for c in pp_rows if c["kind"] == "collective-permute"} == {"stage transfer"}
     assert any(c["role"] == "sum over stages" for c in pp_rows)  # the replicated tables' gradients
@@ -112,19 +128,34 @@ def test_per_stage_memory(case):
     assert "per stage, per device" in case["text"] and "activation stash by rank" in case["text"]
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--pp=3"], "--pp=3 does not divide the 8 devices"),
-    (["--pp=2", "--microbatches=1"], "--microbatches=1 is fewer than the --pp=2"),
-    (["--pp=2", "--virtual_stages=2"], "--virtual_stages=2 needs --pipeline_schedule=interleaved"),
-    (["--pp=2", "--pipeline_schedule=zigzag"], "--pipeline_schedule=zigzag"),
-    (["--pp=2", "--grad_accum=2"], "drop --grad_accum"),
-    (["--pp=2", "--microbatches=3"], "does not split into --microbatches=3"),
-    (["--pp=4", "--mesh_dim=1,2,1,1", "--pipeline_schedule=interleaved", "--virtual_stages=2"], "do not split into --pp=4"),
-    (["--pp=2", "--zero_stage=1"], "--zero_stage=1 with --pp"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--pp=3"], "--pp=3 does not divide the 8 devices"),
+        (["--pp=2", "--microbatches=1"], "--microbatches=1 is fewer than the --pp=2"),
+        (["--pp=2", "--virtual_stages=2"], "--virtual_stages=2 needs --pipeline_schedule=interleaved"),
+        (["--pp=2", "--pipeline_schedule=zigzag"], "--pipeline_schedule=zigzag"),
+        (["--pp=2", "--grad_accum=2"], "drop --grad_accum"),
+        (["--pp=2", "--microbatches=3"], "does not split into --microbatches=3"),
+        (
+            ["--pp=4", "--mesh_dim=1,2,1,1", "--pipeline_schedule=interleaved", "--virtual_stages=2"],
+            "do not split into --pp=4",
+        ),
+        (["--pp=2", "--zero_stage=1"], "--zero_stage=1 with --pp"),
+    ],
+)
 def test_bad_pipeline_flags_are_one_line(capsys, flags, words):
-    code = main(["explain", "--model=test", "--model.n_layers=4", "--mesh_dim=1,2,2,1", "--batch_size=16",
-                 "--seq_len=32", *flags])
+    code = main(
+        [
+            "explain",
+            "--model=test",
+            "--model.n_layers=4",
+            "--mesh_dim=1,2,2,1",
+            "--batch_size=16",
+            "--seq_len=32",
+            *flags,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and words in err and err.count("\n") == 1, err
 
@@ -144,7 +175,9 @@ def test_collective_axes_from_every_spelling_of_the_groups():
     from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place
 
-    placement = place(resolve_model("test", {"n_layers": "4"}), build_mesh(parse_mesh_dim("1,2,2,1", 8, pp=2), jax.devices()))
+    placement = place(
+        resolve_model("test", {"n_layers": "4"}), build_mesh(parse_mesh_dim("1,2,2,1", 8, pp=2), jax.devices())
+    )
     hlo = """ENTRY %main (x: f32[4]) -> f32[4] {
   %cp = f32[4]{0} collective-permute(f32[4]{0} %x), channel_id=1, source_target_pairs={{0,0},{5,1},{1,5}}, metadata={op_name="jit(step)/reshape"}
   %ar = f32[4]{0} all-reduce(f32[4]{0} %x), channel_id=2, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add

@@ -9,9 +9,13 @@ from meshlm.explain.names import readable
 
 
 def test_op_names_read_as_the_model():
-    assert readable("transpose(jvp())/while/body/closed_call/bte,ekd->btkd/dot_general") == \
-        "backward of layers/attn k, v projection (wk, wv)"
-    assert readable("jvp()/while/body/closed_call/dot_general") == "forward of layers/attention matmuls (scores, values)"
+    assert (
+        readable("transpose(jvp())/while/body/closed_call/bte,ekd->btkd/dot_general")
+        == "backward of layers/attn k, v projection (wk, wv)"
+    )
+    assert (
+        readable("jvp()/while/body/closed_call/dot_general") == "forward of layers/attention matmuls (scores, values)"
+    )
     assert readable("transpose(jvp(bte,ev->btv))/dot_general") == "backward of lm_head"
     assert readable("jvp(jit(_take))/gather") == "forward of embed lookup"
     fused = readable("transpose(jvp())/while/body/closed_call/(bte,ekd->btkd/dot_general:bthd,hde->bte/dot_general)")
@@ -25,18 +29,37 @@ def row(kind, axes, each, count, where):
 
 
 REPORT = {
-    "mesh_dim": "1,4,2,1", "strategy": "default", "groups": [], "platform": "cpu",
-    "parameters": [dict(path="embed", shape=[8, 4], spec="P('tp', 'fsdp')", grad_spec="P('tp', 'fsdp')",
-                        opt_spec="P('tp', 'fsdp')", bytes=16, source="table default")],
-    "memory": {"params+opt_state": 10, "grads": 5, "grads_from": "compiled", "total": 15, "n_params": 32,
-               "data_devices": 4},
+    "mesh_dim": "1,4,2,1",
+    "strategy": "default",
+    "groups": [],
+    "platform": "cpu",
+    "parameters": [
+        dict(
+            path="embed",
+            shape=[8, 4],
+            spec="P('tp', 'fsdp')",
+            grad_spec="P('tp', 'fsdp')",
+            opt_spec="P('tp', 'fsdp')",
+            bytes=16,
+            source="table default",
+        )
+    ],
+    "memory": {
+        "params+opt_state": 10,
+        "grads": 5,
+        "grads_from": "compiled",
+        "total": 15,
+        "n_params": 32,
+        "data_devices": 4,
+    },
     "collectives": [
         row("all-gather", ["fsdp"], 100, 2, "forward of layers/attention matmuls (scores, values)"),
         row("all-reduce", ["tp"], 10, 3, "forward of layers/attn output projection (wo)"),
         row("all-reduce", ["fsdp"], 500, 1, "backward of layers/attention matmuls (scores, values)"),
         row("all-gather", ["fsdp"], 50, 2, "backward of layers/attention matmuls (scores, values)"),
     ],
-    "boundaries": [], "picture": "",
+    "boundaries": [],
+    "picture": "",
 }
 
 
@@ -54,7 +77,10 @@ def test_grads_and_optimizer_state_column_is_filled():
 def test_collectives_are_summed_by_axis_and_kind_biggest_first():
     groups = collective_groups(REPORT["collectives"])
     assert [(g["axes"], g["kind"], g["total_bytes"], g["count"]) for g in groups] == [
-        ("fsdp", "all-reduce", 500, 1), ("fsdp", "all-gather", 300, 4), ("tp", "all-reduce", 30, 3)]
+        ("fsdp", "all-reduce", 500, 1),
+        ("fsdp", "all-gather", 300, 4),
+        ("tp", "all-reduce", 30, 3),
+    ]
     out = printed()
     assert "by mesh axis and kind" in out and "830" in out  # the total row
     assert "bytes each" not in out

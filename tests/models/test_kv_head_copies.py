@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm import sharding
 from meshlm.mesh import MeshShape, check_shape_fits
 from meshlm.strategy import choose
-from tests.support.training import CFG, make_batches, mesh_for, run
+from tests.support.training import CFG, make_batches, run
 
 GQA = CFG.replace(n_heads=8, n_kv_heads=2)
 MESHES = ["1,1,1,1", "2,1,4,1", "1,2,4,1", "1,1,8,1"]
@@ -38,7 +38,9 @@ def test_kv_projections_are_whole_and_queries_split(runs):
     assert attn["wq"].spec[2] == "tp", attn["wq"].spec
 
 
-@pytest.mark.parametrize("tp, kv, heads, copies", [(4, 2, 8, 2), (8, 2, 8, 4), (4, 4, 8, 1), (6, 4, 12, 3), (8, 1, 8, 8)])
+@pytest.mark.parametrize(
+    "tp, kv, heads, copies", [(4, 2, 8, 2), (8, 2, 8, 4), (4, 4, 8, 1), (6, 4, 12, 3), (8, 1, 8, 8)]
+)
 def test_copies_are_the_fewest_that_split_evenly(tp, kv, heads, copies):
     from jax.sharding import AbstractMesh
 

@@ -84,9 +84,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(model):
     for name in ("wk", "wv"):
         mha_params["layers"]["attn"][name] = jnp.repeat(params["layers"]["attn"][name], rep, axis=2)
     t = tokens()
-    np.testing.assert_allclose(
-        jax.jit(mha_placement.apply)(mha_params, t), f(params, t), atol=1e-5
-    )
+    np.testing.assert_allclose(jax.jit(mha_placement.apply)(mha_params, t), f(params, t), atol=1e-5)
 
 
 def test_rope_rotates_by_relative_position():

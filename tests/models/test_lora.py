@@ -22,7 +22,9 @@ def test_adapters_take_their_weights_layout_and_keep_the_rank_whole():
     E, H, D, L = CFG.d_model, CFG.n_heads, CFG.head_dim, CFG.n_layers
     assert lora.shapes["layers"]["attn"]["wo"]["a"].shape == (L, H, D, 4)
     assert lora.shapes["layers"]["attn"]["wo"]["b"].shape == (L, 4, E)
-    assert set(lora.targets) == {f"layers/attn/w{x}" for x in "qkvo"} | {f"layers/mlp/{x}" for x in ("gate", "up", "down")}
+    assert set(lora.targets) == {f"layers/attn/w{x}" for x in "qkvo"} | {
+        f"layers/mlp/{x}" for x in ("gate", "up", "down")
+    }
     for name, strategy in PRESETS.items():
         assert strategy.params["lora_rank"] is None and strategy.activations["lora_rank"] is None, name
 

@@ -14,8 +14,8 @@ from meshlm.models.configs import resolve_model
 from meshlm.models.loss import head_loss_sums, num_chunks, project, token_loss_sums
 from meshlm.models.placement import place
 from meshlm.ops.pipeline import build_schedule
-from meshlm.strategy import choose
 from meshlm.optimizer import OptimizerConfig, make_optimizer
+from meshlm.strategy import choose
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, loss_sums, make_loss_grads, make_train_step, put_batch, sequence_permutation
 from tests.support.training import make_batches, mesh_for
@@ -40,8 +40,11 @@ def test_chunked_loss_and_gradients_equal_the_whole(operands, chunk, n, one_hot)
     """Chunks that divide T, that do not (5: padded to 25), larger than T, and none."""
     x, w, targets, mask, (want, (want_dx, want_dw)) = operands
     assert num_chunks(T, chunk) == n
-    f = jax.jit(jax.value_and_grad(lambda x, w: head_loss_sums(x, w, targets, mask, chunk=chunk, one_hot=one_hot)[0],
-                                   argnums=(0, 1)))
+    f = jax.jit(
+        jax.value_and_grad(
+            lambda x, w: head_loss_sums(x, w, targets, mask, chunk=chunk, one_hot=one_hot)[0], argnums=(0, 1)
+        )
+    )
     got, (dx, dw) = f(x, w)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-7)
@@ -52,10 +55,13 @@ def test_chunked_loss_and_gradients_equal_the_whole(operands, chunk, n, one_hot)
 def _batch(cfg, seq=T, rows=4, seed=1):
     rng = np.random.default_rng(seed)
     mask = (rng.random((rows, seq)) > 0.25).astype(np.float32)
-    return {"inputs": rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32),
-            "targets": rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32),
-            "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-            "segment_ids": np.ones((rows, seq), np.int32), "loss_mask": mask}
+    return {
+        "inputs": rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32),
+        "targets": rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32),
+        "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+        "segment_ids": np.ones((rows, seq), np.int32),
+        "loss_mask": mask,
+    }
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -67,7 +73,11 @@ def test_model_loss_and_gradients_do_not_depend_on_the_chunk(tied):
     results = []
     for chunk in (0, 5):
         placement = place(cfg.replace(loss_chunk=chunk), mesh)
-        results.append(jax.jit(jax.value_and_grad(lambda p: loss_sums(placement, p, batch), has_aux=True))(params))
+        results.append(
+            jax.jit(jax.value_and_grad(lambda p, placement=placement: loss_sums(placement, p, batch), has_aux=True))(
+                params
+            )
+        )
     ((want, count), want_grads), ((got, got_count), grads) = results
     assert float(got_count) == float(count) == batch["loss_mask"].sum()
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
@@ -108,11 +118,14 @@ def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference,
     placement = place(cfg, mesh, choose(strategy, zero_stage, None)[0])
     perm = sequence_permutation(placement, batch["inputs"].shape[1])
     params = jax.device_put(params, placement.shardings)  # the reference's weights, laid out on this mesh
-    nll, count, grads = jax.jit(make_loss_grads(placement, pipeline=schedule))(params, put_batch(placement, batch, perm))
+    nll, count, grads = jax.jit(make_loss_grads(placement, pipeline=schedule))(
+        params, put_batch(placement, batch, perm)
+    )
     np.testing.assert_allclose(float(nll / count), want, rtol=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def _step_temp_bytes(loss_chunk: int, rows: int = 8, seq: int = 256) -> int:
@@ -140,8 +153,11 @@ def _eqns(jaxpr):
 def test_backward_matmuls_run_in_the_compute_dtype(operands):
     x, w, targets, mask, _ = operands
     f = jax.grad(lambda x, w: head_loss_sums(x, w, targets, mask, chunk=5)[0], argnums=(0, 1))
-    dots = [tuple(v.aval.dtype for v in e.invars) for e in _eqns(jax.make_jaxpr(f)(x.astype(jnp.bfloat16), w).jaxpr)
-            if e.primitive.name == "dot_general"]
+    dots = [
+        tuple(v.aval.dtype for v in e.invars)
+        for e in _eqns(jax.make_jaxpr(f)(x.astype(jnp.bfloat16), w).jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
     assert len(dots) >= 3 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots  # logits, dx, dw
 
 

@@ -23,27 +23,33 @@ B, T = 8, 32
 def reference():
     cfg = resolve_model("test", {"n_layers": "4"}).replace(dtype="float32")
     rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
-             "targets": rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
-             "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
-             "segment_ids": np.repeat(np.array([[1] * 20 + [2] * 12]), B, axis=0).astype(np.int32),
-             "loss_mask": (rng.random((B, T)) > 0.1).astype(np.float32)}
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("dp", "fsdp", "tp", "sp"),
-                axis_types=(AxisType.Auto,) * 4)
+    batch = {
+        "inputs": rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+        "targets": rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+        "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+        "segment_ids": np.repeat(np.array([[1] * 20 + [2] * 12]), B, axis=0).astype(np.int32),
+        "loss_mask": (rng.random((B, T)) > 0.1).astype(np.float32),
+    }
+    mesh = Mesh(
+        np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("dp", "fsdp", "tp", "sp"), axis_types=(AxisType.Auto,) * 4
+    )
     placement = place(cfg, mesh)
     params = placement.init(0)
     (nll, count), grads = jax.jit(jax.value_and_grad(lambda p: loss_sums(placement, p, batch), has_aux=True))(params)
     return cfg, batch, params, float(nll / count), jax.tree.map(lambda g: g / count, grads)
 
 
-@pytest.mark.parametrize("pp, name, M, V, rest", [
-    (2, "1f1b", 4, 1, (1, 2, 2, 1)),
-    (2, "interleaved", 4, 2, (1, 1, 2, 2)),
-    (4, "gpipe", 4, 1, (2, 1, 1, 1)),
-    (2, "gpipe", 4, 1, (1, 1, 1, 1)),  # pp alone
-    (4, "1f1b", 8, 1, (1, 1, 1, 1)),
-    (2, "interleaved", 2, 2, (1, 1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "pp, name, M, V, rest",
+    [
+        (2, "1f1b", 4, 1, (1, 2, 2, 1)),
+        (2, "interleaved", 4, 2, (1, 1, 2, 2)),
+        (4, "gpipe", 4, 1, (2, 1, 1, 1)),
+        (2, "gpipe", 4, 1, (1, 1, 1, 1)),  # pp alone
+        (4, "1f1b", 8, 1, (1, 1, 1, 1)),
+        (2, "interleaved", 2, 2, (1, 1, 1, 1)),
+    ],
+)
 def test_pipelined_loss_and_gradients_equal_the_plain_step(reference, pp, name, M, V, rest):
     cfg, batch, params, want_loss, want_grads = reference
     devices = np.array(jax.devices()[: pp * int(np.prod(rest))]).reshape(pp, *rest)
@@ -54,8 +60,9 @@ def test_pipelined_loss_and_gradients_equal_the_plain_step(reference, pp, name, 
     (nll, count), grads = run(jax.device_put(params, placement.shardings), batch)
     np.testing.assert_allclose(float(nll / count), want_loss, rtol=1e-5)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_stages_take_consecutive_layers():
@@ -67,8 +74,9 @@ def test_stages_take_consecutive_layers():
 
 def remat_bytes(policy: str, n_layers: int, rows: int, pp: int = 1, microbatches: int = 1) -> int:
     """Compiled per-device temporary bytes of a train step of `rows` × 64 tokens, under one remat policy."""
-    cfg = resolve_model("test", {"n_layers": str(n_layers), "d_model": "128", "n_heads": "4", "n_kv_heads": "4",
-                                 "mlp_dim": "256"}).replace(dtype="float32", remat=policy)
+    cfg = resolve_model(
+        "test", {"n_layers": str(n_layers), "d_model": "128", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"}
+    ).replace(dtype="float32", remat=policy)
     mesh = build_mesh(parse_mesh_dim("1,1,1,1", pp, pp=pp), jax.devices()[:pp])
     placement, optimizer = place(cfg, mesh), make_optimizer(OptimizerConfig())
     schedule = build_schedule("gpipe", pp, microbatches) if pp > 1 else None

@@ -23,8 +23,16 @@ ROWS, SEQ = 8, 16
 
 def shrunk(cfg):
     """`cfg` at test size, its structure kept: tied or not, n_heads / n_kv_heads."""
-    return cfg.replace(vocab_size=128, d_model=32, n_layers=1, n_kv_heads=2, n_heads=2 * cfg.q_per_kv, head_dim=8,
-                       mlp_dim=64, max_seq_len=SEQ)
+    return cfg.replace(
+        vocab_size=128,
+        d_model=32,
+        n_layers=1,
+        n_kv_heads=2,
+        n_heads=2 * cfg.q_per_kv,
+        head_dim=8,
+        mlp_dim=64,
+        max_seq_len=SEQ,
+    )
 
 
 def structures():
@@ -43,9 +51,13 @@ def host_state(abstract, seed=0):
     weights, norm scales 1, zero optimizer moments, step 0."""
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, s: (np.ones if "scale" in jax.tree_util.keystr(path) else
-                         lambda shape, dtype: (rng.normal(size=shape) * 0.02).astype(dtype))(s.shape, s.dtype),
-        abstract.params)
+        lambda path, s: (
+            np.ones
+            if "scale" in jax.tree_util.keystr(path)
+            else lambda shape, dtype: (rng.normal(size=shape) * 0.02).astype(dtype)
+        )(s.shape, s.dtype),
+        abstract.params,
+    )
     opt_state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract.opt_state)
     state = TrainState(np.zeros((), np.int32), params, opt_state)
     return jax.device_put(state, jax.tree.map(lambda s: s.sharding, abstract))

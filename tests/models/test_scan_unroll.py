@@ -42,7 +42,8 @@ def test_unrolled_layers_keep_the_remat_policy():
     # Unrolled, a checkpointed layer's recomputation must not be merged with its forward pass: `full`
     # then keeps only each layer's input, far less than `none`'s activations (as it does scanned).
     cfg = resolve_model("test", {"n_layers": "4", "d_model": "128", "mlp_dim": "512"}).replace(
-        dtype="float32", scan_unroll=4)
+        dtype="float32", scan_unroll=4
+    )
     batch = _batch(cfg, seq=128)
     params = place(cfg, mesh_for("1,1,1,1")).init(0)
     none, full = (_step_memory(cfg.replace(remat=r), batch, params) for r in ("none", "full"))

@@ -14,6 +14,7 @@ from meshlm.ops.attention import (
 )
 from tests.support.attention import ATOL, assert_all_close, make_inputs, reference, value_and_grads
 
+
 @pytest.mark.parametrize("kvh", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "segments"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from meshlm.ops import gpu, kernels
-from tests.ops.test_splash import _problem as _splash_problem, _value_and_grads
+from tests.ops.test_splash import _problem as _splash_problem
+from tests.ops.test_splash import _value_and_grads
 
 
 def _problem(lengths_per_row):
     """q, k, v, positions, segment ids, cotangent at a GPU-sized head: 8 query / 2 kv heads of 128."""
     return _splash_problem(lengths_per_row, heads=8, kv_heads=2, head_dim=128)
+
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (JAX's default backend here is not gpu)")
@@ -67,7 +69,12 @@ def test_triton_equals_blockwise_on_gpu(dtype):
     q, k, v, pos, seg, dout = _problem([[300, 500, 224], [1024]])
     xs = [x.astype(dtype) for x in (q, k, v)]
     ref = _reference(*(x.astype(jnp.float32) for x in xs), pos, seg, dout)
-    got = _value_and_grads(lambda q, k, v: kernels.attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
-                                                            kv_segment_ids=seg, kernel="triton"), *xs, dout.astype(dtype))
+    got = _value_and_grads(
+        lambda q, k, v: kernels.attention(
+            q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, kernel="triton"
+        ),
+        *xs,
+        dout.astype(dtype),
+    )
     errors = _relative_errors(got, ref)
     assert max(errors.values()) < (5e-3 if dtype == "float32" else 2e-2), errors

@@ -65,8 +65,9 @@ def test_bfloat16_value_and_gradients(spec, out, cpu_float32, monkeypatch):
     # to bfloat16.
     xs, rest = spec.split(",")
     ws, ys = rest.split("->")
-    exact = jnp.einsum(f"{xs},{ys}->{ws}", x.astype(jnp.float32), g.astype(jnp.bfloat16).astype(jnp.float32),
-                       precision="highest")
+    exact = jnp.einsum(
+        f"{xs},{ys}->{ws}", x.astype(jnp.float32), g.astype(jnp.bfloat16).astype(jnp.float32), precision="highest"
+    )
     if out or cpu_float32:
         np.testing.assert_allclose(dw, exact, rtol=1e-5, atol=1e-5)
     else:  # within bfloat16's rounding of the exact product, and bfloat16 values
@@ -82,5 +83,8 @@ def test_bfloat16_weights_get_bfloat16_gradients():
     w = w.astype(jnp.bfloat16)
     dw = jax.grad(lambda w: jnp.sum(linear("bte,em->btm", x, w).astype(jnp.float32)))(w)
     assert dw.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(jnp.sum(x.astype(jnp.float32), (0, 1))[:, None]
-                                                                       * jnp.ones((1, M)), np.float32), rtol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(dw, np.float32),
+        np.asarray(jnp.sum(x.astype(jnp.float32), (0, 1))[:, None] * jnp.ones((1, M)), np.float32),
+        rtol=1e-2,
+    )

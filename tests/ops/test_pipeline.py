@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshlm.errors import UsageError
 from meshlm.ops.pipeline import BWD, FWD, build_schedule, check, pipeline_value_and_grad
@@ -24,13 +25,16 @@ def stage_fn(p, x, _side=None):  # p: leaves [LAYERS_PER_STAGE, ...]
 def make_head_fn(M):
     def head_fn(hp, x, y):
         return jnp.mean((x @ hp["w"] - y) ** 2) / M
+
     return head_fn
 
 
 def init(S, seed=0):
     k = jax.random.split(jax.random.key(seed), 3)
-    layers = {"a": jax.random.normal(k[0], (S, LAYERS_PER_STAGE, D, D)) * 0.3,
-              "b": jax.random.normal(k[1], (S, LAYERS_PER_STAGE, D, D)) * 0.3}
+    layers = {
+        "a": jax.random.normal(k[0], (S, LAYERS_PER_STAGE, D, D)) * 0.3,
+        "b": jax.random.normal(k[1], (S, LAYERS_PER_STAGE, D, D)) * 0.3,
+    }
     head = {"w": jax.random.normal(k[2], (D, 4)) * 0.3}
     return layers, head
 
@@ -42,6 +46,7 @@ def reference(layers, head, x, y):
         def one(x_i, y_i):
             h, _ = jax.lax.scan(lambda h, p: (stage_fn(p, h), None), x_i, layers)
             return head_fn(head, h, y_i)
+
         return jnp.sum(jax.vmap(one)(x, y))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, head, x)
@@ -56,10 +61,18 @@ def from_ranks(tree, pp, V):
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(pp * V, *a.shape[2:]), tree)
 
 
-@pytest.mark.parametrize("name, pp, M, V", [
-    ("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 5, 1), ("interleaved", 2, 4, 2),
-    ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2),
-])
+@pytest.mark.parametrize(
+    "name, pp, M, V",
+    [
+        ("gpipe", 2, 4, 1),
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 4, 5, 1),
+        ("interleaved", 2, 4, 2),
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved", 4, 8, 2),
+    ],
+)
 def test_loss_and_gradients_equal_the_stages_in_order(name, pp, M, V):
     S = pp * V
     layers, head = init(S)
@@ -78,8 +91,9 @@ def test_loss_and_gradients_equal_the_stages_in_order(name, pp, M, V):
     def head_fn(hp, x, s):
         return make_head_fn(M)(hp, x, s["y"])
 
-    run = jax.jit(lambda sc, st, h, side: pipeline_value_and_grad(first_fn, stage_fn, head_fn, sc, st, h, side,
-                                                                  schedule, mesh))
+    run = jax.jit(
+        lambda sc, st, h, side: pipeline_value_and_grad(first_fn, stage_fn, head_fn, sc, st, h, side, schedule, mesh)
+    )
     loss, (got_scale, g_staged, got_head) = run(scale, staged, head, {"x": x, "y": y})
 
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -133,11 +147,14 @@ def test_bubbles_match_theory_and_1f1b_keeps_memory_flat():
     assert i.bubble() < build_schedule("1f1b", 4, 16).bubble()
 
 
-@pytest.mark.parametrize("args, words", [
-    (("zigzag", 2, 4, 1), "--pipeline_schedule=zigzag"),
-    (("1f1b", 4, 2, 1), "--microbatches=2 is fewer than the --pp=4"),
-    (("1f1b", 2, 4, 2), "--virtual_stages=2 needs --pipeline_schedule=interleaved"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("zigzag", 2, 4, 1), "--pipeline_schedule=zigzag"),
+        (("1f1b", 4, 2, 1), "--microbatches=2 is fewer than the --pp=4"),
+        (("1f1b", 2, 4, 2), "--virtual_stages=2 needs --pipeline_schedule=interleaved"),
+    ],
+)
 def test_bad_pipeline_flags(args, words):
     with pytest.raises(UsageError, match=words):
         check(*args)

@@ -37,9 +37,7 @@ def ring_fn(mesh_shape, causal, block):
         block_q=block, block_kv=block,
     )  # fmt: skip
     return jax.jit(
-        lambda q, k, v, dout, pos, seg: value_and_grads(
-            ring_attention, q, k, v, dout, pos, seg, causal, **kw
-        )
+        lambda q, k, v, dout, pos, seg: value_and_grads(ring_attention, q, k, v, dout, pos, seg, causal, **kw)
     )
 
 

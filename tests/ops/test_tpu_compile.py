@@ -25,10 +25,10 @@ def compile_for_v5p(model: str, batch: int, seq: int, **overrides):
     """(compiled train step, its HLO text, seconds to compile) on v5p:2x2x1 with mesh 1,4,1,1."""
     from jax.experimental import topologies
 
+    from meshlm.explain.verify import compile_placed
     from meshlm.mesh import parse_mesh_dim
     from meshlm.models.configs import resolve_model
     from meshlm.plan.job import Job
-    from meshlm.explain.verify import compile_placed
 
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
     cfg = resolve_model(model, overrides).replace(dtype="bfloat16", remat="full")

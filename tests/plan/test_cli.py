@@ -65,8 +65,10 @@ def test_verify_adds_compiled_figures_and_errors(capsys):
         assert math.isfinite(err["memory_bytes_per_device"])
 
 
-@pytest.mark.parametrize("flags,devices,per_host", [(["--hosts=4"], 32, 8), (["--hosts=2", "--devices_per_host=4"], 8, 4),
-                                                   (["--hosts=2", "--devices=32"], 32, 16)])
+@pytest.mark.parametrize(
+    "flags,devices,per_host",
+    [(["--hosts=4"], 32, 8), (["--hosts=2", "--devices_per_host=4"], 8, 4), (["--hosts=2", "--devices=32"], 32, 16)],
+)
 def test_hosts_times_devices_per_host(capsys, flags, devices, per_host):
     rc = main(["plan", "--model=test", "--batch_size=32", "--seq_len=32", "--hardware=h100", "--json", *flags])
     doc = json.loads(capsys.readouterr().out)
@@ -87,8 +89,11 @@ IMPOSSIBLE = [
     # (the budget is what JAX takes: 75% of the a100's 80 GB)
     (["--model=llama2-70b", "--hardware=a100"], "nothing fits in 60.0 GB per a100", "nearest change that fits: --"),
     # the batch is below dp × fsdp for every mesh (tiny has 4 heads, an odd sequence rules out sp)
-    (["--model=tiny", "--devices=16", "--batch_size=1", "--seq_len=255"], "no mesh of 16 devices",
-     "raise --batch_size to a multiple of 4"),
+    (
+        ["--model=tiny", "--devices=16", "--batch_size=1", "--seq_len=255"],
+        "no mesh of 16 devices",
+        "raise --batch_size to a multiple of 4",
+    ),
     (["--hardware=tpu-v9"], "--hardware=tpu-v9: unknown hardware", "choose one of h100"),
     (["--bogus=1"], "unrecognized arguments: --bogus=1", "meshlm plan --help"),
     (["--batch_size=0"], "--batch_size=0", "must be a positive integer"),
@@ -97,18 +102,29 @@ IMPOSSIBLE = [
     (["--remat=sometimes"], "--remat='sometimes'", "choose one of"),
     (["--dtype=int8"], "--dtype=int8", "choose auto, float32, bfloat16 or float16"),
     (["--batch_size=6", "--grad_accum=4"], "not divisible by --grad_accum=4", "--grad_accum"),
-    (["--mesh_dim=1,1,1,8", "--seq_len=100"], "--mesh_dim=1,1,1,8: seq_len 100",
-     "meshes that work on these 8 devices: --mesh_dim="),
-    (["--hosts=2", "--devices_per_host=4", "--devices=16"], "--devices=16 but --hosts × --devices_per_host = 8",
-     "make them agree"),
-    (["--mesh_dim=pp:2,fsdp:4"], "--mesh_dim=1,4,1,1 --pp=2: --batch_size=8 does not split into --microbatches=4",
-     "meshes that work: --mesh_dim="),
+    (
+        ["--mesh_dim=1,1,1,8", "--seq_len=100"],
+        "--mesh_dim=1,1,1,8: seq_len 100",
+        "meshes that work on these 8 devices: --mesh_dim=",
+    ),
+    (
+        ["--hosts=2", "--devices_per_host=4", "--devices=16"],
+        "--devices=16 but --hosts × --devices_per_host = 8",
+        "make them agree",
+    ),
+    (
+        ["--mesh_dim=pp:2,fsdp:4"],
+        "--mesh_dim=1,4,1,1 --pp=2: --batch_size=8 does not split into --microbatches=4",
+        "meshes that work: --mesh_dim=",
+    ),
     (["--hosts=3", "--devices=16"], "--devices=16 is not divisible by --hosts=3", "a multiple of 3"),
     (["--hosts=2", "--hardware=cpu"], "--hosts=2 on --hardware=cpu", "needs --devices_per_host"),
 ]
 
 
-@pytest.mark.parametrize("flags,what,fix", IMPOSSIBLE, ids=[f[0][0].split("=")[0] + str(i) for i, f in enumerate(IMPOSSIBLE)])
+@pytest.mark.parametrize(
+    "flags,what,fix", IMPOSSIBLE, ids=[f[0][0].split("=")[0] + str(i) for i, f in enumerate(IMPOSSIBLE)]
+)
 def test_impossible_requests_get_one_line_naming_the_fix(capsys, flags, what, fix):
     rc = main(["plan", "--model=test", *flags] if not any(f.startswith("--model") for f in flags) else ["plan", *flags])
     out = capsys.readouterr()

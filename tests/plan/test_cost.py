@@ -24,8 +24,17 @@ def test_trillium_tensor_parallelism_is_compute_bound_only_above_5100():
 
 
 def _tp_plan(mlp_dim: int, tp: int):
-    cfg = resolve_model("test", {"d_model": "4096", "mlp_dim": str(mlp_dim), "n_heads": "32", "n_kv_heads": "16",
-                                 "vocab_size": "32768", "max_seq_len": "4096"}).replace(dtype="bfloat16")
+    cfg = resolve_model(
+        "test",
+        {
+            "d_model": "4096",
+            "mlp_dim": str(mlp_dim),
+            "n_heads": "32",
+            "n_kv_heads": "16",
+            "vocab_size": "32768",
+            "max_seq_len": "4096",
+        },
+    ).replace(dtype="bfloat16")
     job = Job(cfg, 16, 2048, tp)
     return search.evaluate(job, parse_mesh_dim(f"1,1,{tp},1", tp), resolve_hardware("tpu-v6e", tp))
 

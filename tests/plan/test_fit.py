@@ -18,8 +18,19 @@ from meshlm.plan.job import Job
 
 def _cpu_hardware(n_devices: int) -> Hardware:
     """`meshlm plan --hardware=cpu`'s hardware without its probes (fixed speeds, the host's memory)."""
-    return Hardware("cpu", 1e11, 1e11, hardware.host_memory_budget() / n_devices, 1e10, 1e10, 1e10,
-                    fast_domain=n_devices, devices_per_host=n_devices, fast_name="memory", slow_name="memory")
+    return Hardware(
+        "cpu",
+        1e11,
+        1e11,
+        hardware.host_memory_budget() / n_devices,
+        1e10,
+        1e10,
+        1e10,
+        fast_domain=n_devices,
+        devices_per_host=n_devices,
+        fast_name="memory",
+        slow_name="memory",
+    )
 
 
 @pytest.fixture
@@ -29,8 +40,9 @@ def small_host(monkeypatch):
     monkeypatch.delenv(joblib.MEMORY_CHECK, raising=False)
 
 
-def test_a_job_that_cannot_fit_is_refused_in_one_line_before_anything_compiles(small_host, monkeypatch, capsys,
-                                                                                tmp_path):
+def test_a_job_that_cannot_fit_is_refused_in_one_line_before_anything_compiles(
+    small_host, monkeypatch, capsys, tmp_path
+):
     from meshlm import data
 
     def read_data(*args, **kwargs):
@@ -82,8 +94,9 @@ def test_what_plan_says_fits_on_cpu_is_what_train_accepts(preset, budget, monkey
         assert plan.job.cfg.remat == joblib.auto_remat(cfg, model, shape)  # one choice of policy
         planned = model.replace(remat=plan.job.cfg.remat)
         try:
-            joblib.check_memory(TrainConfig(model=preset, batch_size=8, seq_len=128, remat=plan.job.cfg.remat),
-                                planned, shape)
+            joblib.check_memory(
+                TrainConfig(model=preset, batch_size=8, seq_len=128, remat=plan.job.cfg.remat), planned, shape
+            )
             accepted = True
         except UsageError:
             accepted = False
@@ -109,6 +122,7 @@ def test_the_host_keeps_memory_for_the_operating_system(monkeypatch):
 
 # --------------------------------------------------------------------------- the unrolled layer loop on GPU
 
+
 class _GPU:
     platform, device_kind = "gpu", "NVIDIA H200"
 
@@ -123,8 +137,12 @@ H100_BUDGET_ON_H200 = 0.42 * 141e9  # XLA_PYTHON_CLIENT_MEM_FRACTION=0.42
 
 
 def _llama_layers(n_layers: int, scan_unroll: int = 0):
-    cfg = TrainConfig(model="llama3-8b", batch_size=1, seq_len=8192, model_overrides={"n_layers": n_layers,
-                                                                                        "scan_unroll": scan_unroll})
+    cfg = TrainConfig(
+        model="llama3-8b",
+        batch_size=1,
+        seq_len=8192,
+        model_overrides={"n_layers": n_layers, "scan_unroll": scan_unroll},
+    )
     return cfg, joblib.resolve_model(cfg, backend="accelerator")[0]
 
 
@@ -137,7 +155,9 @@ def test_unrolled_gpu_loop_keeps_every_activation_where_it_fits():
     unrolled = memory.estimate(job, shape, "gpu").total
     assert 50e9 < unrolled < 56e9
     scanned_cfg, scanned_model = _llama_layers(8, scan_unroll=1)
-    scanned = memory.estimate(joblib.plan_job(scanned_cfg, scanned_model.replace(remat="none"), shape), shape, "gpu").total
+    scanned = memory.estimate(
+        joblib.plan_job(scanned_cfg, scanned_model.replace(remat="none"), shape), shape, "gpu"
+    ).total
     assert scanned > 60e9  # the scanned loop keeps its stacked buffers
     assert joblib.auto_remat(cfg, model, shape, _GPU(H100_BUDGET_ON_H200)) == "none"
 

@@ -14,8 +14,14 @@ from meshlm.plan.job import Job, PipelineFlags
 
 PLAN = Path(__file__).resolve().parents[2] / "meshlm" / "plan"
 FLAT = ("memory", "comms", "cost", "state_bytes")
-ABOVE_FLAT = ("meshlm.plan.pipeline", "meshlm.plan.schedule", "meshlm.plan.estimate", "meshlm.plan.search",
-              "meshlm.explain.verify", "meshlm.plan.report")
+ABOVE_FLAT = (
+    "meshlm.plan.pipeline",
+    "meshlm.plan.schedule",
+    "meshlm.plan.estimate",
+    "meshlm.plan.search",
+    "meshlm.explain.verify",
+    "meshlm.plan.report",
+)
 
 
 def imported(module: str) -> set[str]:
@@ -56,4 +62,5 @@ def test_estimate_picks_flat_or_pipelined_by_pp():
     flat_ops = estimate.operators(job, flat, hw, comms.predict(job, flat))
     time = estimate.step_time(job, flat, hw, flat_ops, comms.predict(job, flat), memory.estimate(job, flat).params)
     assert time.memory_s * hw.hbm_bandwidth == pytest.approx(
-        cost.elementwise_bytes(job, flat, hw.backend) + 7 * memory.estimate(job, flat).params)
+        cost.elementwise_bytes(job, flat, hw.backend) + 7 * memory.estimate(job, flat).params
+    )

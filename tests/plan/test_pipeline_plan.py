@@ -72,8 +72,10 @@ def errors(job, shape, got) -> tuple[float, float]:
     from meshlm.explain.verify import error_percent
 
     plan = search.evaluate(job, shape, CATALOG["h100"])
-    return (error_percent(plan.memory.total, got["peak_memory_bytes"]),
-            error_percent(plan.pipeline.transfer_bytes, got["stage_transfer_bytes"]))
+    return (
+        error_percent(plan.memory.total, got["peak_memory_bytes"]),
+        error_percent(plan.pipeline.transfer_bytes, got["stage_transfer_bytes"]),
+    )
 
 
 @pytest.mark.slow
@@ -98,7 +100,9 @@ def test_bubble_and_clocks_are_the_schedules(case):
     s = build_schedule(name, pp, M, V)
     got = plan.pipeline
     assert got.schedule.clocks == s.clocks and got.schedule.act_slots == s.act_slots
-    assert got.forward_clocks + got.backward_clocks == sum(1 for k in s.kinds if k & 1) + sum(1 for k in s.kinds if k & 2)
+    assert got.forward_clocks + got.backward_clocks == sum(1 for k in s.kinds if k & 1) + sum(
+        1 for k in s.kinds if k & 2
+    )
     assert got.bubble == pytest.approx(s.bubble(V * got.forward_clock_s, V * got.backward_clock_s))
     doc = got.as_dict()
     assert doc["bubble_schedule"] == pytest.approx(s.bubble())
@@ -107,7 +111,9 @@ def test_bubble_and_clocks_are_the_schedules(case):
         assert s.bubble() == pytest.approx((pp - 1) / (M + pp - 1))
     # transfers: one stage input per forward clock and one cotangent per backward clock, per device
     rows = job.batch_size // M
-    assert got.transfer_bytes == (got.forward_clocks + got.backward_clocks) * rows * 32 * 64 * 4 // (shape.data * shape.sp)
+    assert got.transfer_bytes == (got.forward_clocks + got.backward_clocks) * rows * 32 * 64 * 4 // (
+        shape.data * shape.sp
+    )
     # every rank holds its L/pp layers; the busiest rank's stash is what every rank allocates
     assert [sum(b - a + 1 for a, b in st.layers) for st in got.stages] == [layers // pp] * pp
     assert max(st.in_flight for st in got.stages) == s.act_slots
@@ -116,8 +122,9 @@ def test_bubble_and_clocks_are_the_schedules(case):
 
 def test_gpipe_memory_grows_with_microbatches_and_1f1b_stays_flat():
     """pp = 4, 2 rows per microbatch: GPipe stashes all M microbatch inputs, 1F1B at most 2·pp."""
-    cfg = resolve_model("test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4",
-                                 "mlp_dim": "256"}).replace(dtype="float32")
+    cfg = resolve_model(
+        "test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"}
+    ).replace(dtype="float32")
     shape = parse_mesh_dim("1,1,2,1", 8, pp=4)
 
     def total(name, M):
@@ -132,8 +139,19 @@ def test_gpipe_memory_grows_with_microbatches_and_1f1b_stays_flat():
 
 
 def plan_json(capsys, *flags):
-    rc = main(["plan", "--model=test", "--model.n_layers=4", "--devices=8", "--batch_size=16", "--seq_len=32",
-               "--hardware=h100", "--json", *flags])
+    rc = main(
+        [
+            "plan",
+            "--model=test",
+            "--model.n_layers=4",
+            "--devices=8",
+            "--batch_size=16",
+            "--seq_len=32",
+            "--hardware=h100",
+            "--json",
+            *flags,
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     return json.loads(out.out)
@@ -146,7 +164,10 @@ def test_pp_plans_in_the_json_and_the_train_command(capsys):
     pl = first["pipeline"]
     assert (pl["schedule"], pl["microbatches"], pl["pp"]) == ("gpipe", 4, 2)
     assert [s["layers"] for s in pl["stages"]] == [[[0, 1]], [[2, 3]]]
-    assert pl["transfer_bytes_per_device_per_step"] == (pl["forward_clocks"] + pl["backward_clocks"]) * pl["transfer_bytes_per_message"]
+    assert (
+        pl["transfer_bytes_per_device_per_step"]
+        == (pl["forward_clocks"] + pl["backward_clocks"]) * pl["transfer_bytes_per_message"]
+    )
     assert first["mesh"]["pp"] == 2
     assert "--pp=2 --pipeline_schedule=gpipe --microbatches=4" in first["command"]
     kinds = {op["name"] for op in first["operators"]}
@@ -161,8 +182,18 @@ def test_pp_auto_ranks_meshes_with_and_without_stages(capsys):
 
 
 def test_named_mesh_dim_takes_pp_and_the_table_shows_the_stages(capsys):
-    rc = main(["plan", "--model=test", "--model.n_layers=4", "--devices=8", "--batch_size=16", "--seq_len=32",
-               "--hardware=h100", "--mesh_dim=pp:2,tp:4"])
+    rc = main(
+        [
+            "plan",
+            "--model=test",
+            "--model.n_layers=4",
+            "--devices=8",
+            "--batch_size=16",
+            "--seq_len=32",
+            "--hardware=h100",
+            "--mesh_dim=pp:2,tp:4",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     for words in ("bubble", "xfer GB", "stage transfers", "in flight", "(limits)", "replicated on every stage"):
@@ -183,12 +214,18 @@ BAD = [
     (["--pp=2", "--pipeline_schedule=zigzag"], "--pipeline_schedule=zigzag: choose one of gpipe, 1f1b, interleaved"),
     (["--pp=2", "--microbatches=1"], "--microbatches=1 is fewer than the --pp=2 stages"),
     (["--pp=2", "--virtual_stages=2"], "--virtual_stages=2 needs --pipeline_schedule=interleaved"),
-    (["--pp=4", "--pipeline_schedule=interleaved", "--virtual_stages=2"], "do not split into --pp=4 × --virtual_stages=2"),
+    (
+        ["--pp=4", "--pipeline_schedule=interleaved", "--virtual_stages=2"],
+        "do not split into --pp=4 × --virtual_stages=2",
+    ),
     (["--pp=2", "--grad_accum=2"], "--grad_accum with --pp"),
     (["--pp=auto", "--mesh_dim=1,1,4,1"], "--pp=auto searches the meshes"),
     (["--mesh_dim=pp:2,tp:4", "--pp=4"], "give pp a size, once"),
     (["--pp=2", "--mesh_dim=1,8,1,1"], "make the product 4"),
-    (["--pp=2", "--batch_size=4", "--microbatches=4", "--mesh_dim=1,4,1,1"], "--batch_size=4 does not split into --microbatches=4"),
+    (
+        ["--pp=2", "--batch_size=4", "--microbatches=4", "--mesh_dim=1,4,1,1"],
+        "--batch_size=4 does not split into --microbatches=4",
+    ),
 ]
 
 
@@ -237,7 +274,14 @@ def test_stages_hold_their_layers_and_the_tables():
 FIT_MODELS = {
     "D": {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "512", "vocab_size": "256"},
     "D8": {"n_layers": "8", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "512", "vocab_size": "256"},
-    "DV": {"n_layers": "8", "d_model": "128", "n_heads": "4", "n_kv_heads": "2", "mlp_dim": "384", "vocab_size": "2048"},
+    "DV": {
+        "n_layers": "8",
+        "d_model": "128",
+        "n_heads": "4",
+        "n_kv_heads": "2",
+        "mlp_dim": "384",
+        "vocab_size": "2048",
+    },
     "F": {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"},
     "G": {"n_layers": "8", "n_kv_heads": "4"},
     "M8": {"n_layers": "8", "d_model": "128", "n_heads": "8", "n_kv_heads": "8", "mlp_dim": "512", "vocab_size": "512"},
@@ -247,37 +291,61 @@ FIT_MODELS = {
     "W": {"n_layers": "4", "d_model": "128", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256", "vocab_size": "1024"},
 }
 FIT_CASES = [
-    ("G", "1,1,1,2", 4, "1f1b", 16, 1, 32, 32, "none"), ("M8", "1,2,1,2", 2, "1f1b", 8, 1, 16, 64, "full"),
-    ("T", "1,4,1,1", 2, "interleaved", 4, 2, 16, 64, "none"), ("V", "1,1,1,4", 2, "1f1b", 2, 1, 4, 32, "none"),
+    ("G", "1,1,1,2", 4, "1f1b", 16, 1, 32, 32, "none"),
+    ("M8", "1,2,1,2", 2, "1f1b", 8, 1, 16, 64, "full"),
+    ("T", "1,4,1,1", 2, "interleaved", 4, 2, 16, 64, "none"),
+    ("V", "1,1,1,4", 2, "1f1b", 2, 1, 4, 32, "none"),
     ("D", "1,1,2,2", 2, "interleaved", 4, 1, 4, 64, "full"),
     ("M8", "1,1,1,1", 8, "interleaved", 16, 1, 16, 64, "save_dots"),
     ("W", "2,1,1,1", 4, "gpipe", 8, 1, 16, 32, "save_qkv_attn"),
     ("DV", "1,1,1,2", 4, "interleaved", 4, 2, 8, 64, "none"),
     ("D8", "1,1,1,1", 8, "1f1b", 16, 1, 16, 64, "save_qkv_attn"),
-    ("DV", "2,1,1,1", 4, "1f1b", 8, 1, 16, 64, "save_dots"), ("T", "1,1,4,1", 2, "interleaved", 2, 2, 4, 32, "none"),
-    ("G", "1,1,1,4", 2, "gpipe", 4, 1, 4, 64, "none"), ("W", "2,1,1,1", 4, "gpipe", 4, 1, 8, 64, "save_qkv_attn"),
-    ("W", "2,1,1,1", 4, "1f1b", 16, 1, 32, 64, "save_dots"), ("G", "2,1,2,1", 2, "1f1b", 4, 1, 8, 32, "full"),
+    ("DV", "2,1,1,1", 4, "1f1b", 8, 1, 16, 64, "save_dots"),
+    ("T", "1,1,4,1", 2, "interleaved", 2, 2, 4, 32, "none"),
+    ("G", "1,1,1,4", 2, "gpipe", 4, 1, 4, 64, "none"),
+    ("W", "2,1,1,1", 4, "gpipe", 4, 1, 8, 64, "save_qkv_attn"),
+    ("W", "2,1,1,1", 4, "1f1b", 16, 1, 32, 64, "save_dots"),
+    ("G", "2,1,2,1", 2, "1f1b", 4, 1, 8, 32, "full"),
     ("G", "1,1,2,1", 4, "interleaved", 4, 2, 4, 32, "save_dots"),
     ("W", "1,1,4,1", 2, "1f1b", 8, 1, 16, 32, "save_qkv_attn"),
-    ("M8", "4,1,1,1", 2, "interleaved", 4, 2, 16, 32, "full"), ("W", "1,4,1,1", 2, "1f1b", 2, 1, 8, 64, "full"),
-    ("W", "2,1,1,1", 4, "gpipe", 4, 1, 8, 32, "save_qkv_attn"), ("M8", "4,1,1,1", 2, "gpipe", 4, 1, 16, 64, "none"),
-    ("G", "2,1,1,1", 4, "interleaved", 8, 2, 16, 64, "none"), ("W", "1,1,2,2", 2, "interleaved", 4, 1, 8, 32, "full"),
-    ("G", "2,1,1,1", 4, "interleaved", 4, 2, 8, 32, "none"), ("W", "1,1,4,1", 2, "interleaved", 4, 2, 8, 64, "full"),
-    ("D8", "2,1,2,1", 2, "gpipe", 8, 1, 16, 32, "save_qkv_attn"), ("G", "1,2,1,1", 4, "1f1b", 4, 1, 8, 32, "none"),
-    ("D8", "1,2,1,2", 2, "gpipe", 8, 1, 16, 32, "full"), ("D8", "1,2,1,1", 4, "1f1b", 8, 1, 16, 32, "full"),
-    ("DV", "1,4,1,1", 2, "gpipe", 2, 1, 8, 32, "none"), ("M8", "2,2,1,1", 2, "gpipe", 8, 1, 32, 64, "save_dots"),
-    ("G", "1,1,2,2", 2, "gpipe", 2, 1, 2, 64, "save_qkv_attn"), ("D8", "1,1,1,2", 4, "1f1b", 8, 1, 8, 32, "full"),
-    ("M8", "2,1,2,1", 2, "gpipe", 8, 1, 16, 64, "full"), ("V", "1,1,2,2", 2, "gpipe", 4, 1, 4, 64, "none"),
-    ("D8", "1,2,1,2", 2, "1f1b", 2, 1, 4, 32, "full"), ("D", "1,1,2,2", 2, "gpipe", 8, 1, 8, 32, "none"),
-    ("T", "1,2,1,2", 2, "gpipe", 4, 1, 8, 32, "none"), ("T", "2,1,1,1", 4, "1f1b", 8, 1, 16, 32, "save_qkv_attn"),
-    ("D8", "4,1,1,1", 2, "interleaved", 2, 2, 8, 64, "full"), ("G", "1,1,1,1", 8, "gpipe", 8, 1, 8, 32, "full"),
-    ("V", "2,1,2,1", 2, "1f1b", 8, 1, 16, 32, "none"), ("D", "1,1,1,4", 2, "1f1b", 8, 1, 16, 64, "save_qkv_attn"),
-    ("M8", "1,2,1,2", 2, "1f1b", 2, 1, 4, 64, "none"), ("T", "1,1,4,1", 2, "gpipe", 4, 1, 8, 32, "none"),
-    ("T", "1,2,2,1", 2, "1f1b", 8, 1, 16, 32, "none"), ("T", "1,1,2,2", 2, "interleaved", 4, 2, 8, 32, "none"),
-    ("T", "1,1,2,1", 4, "gpipe", 8, 1, 16, 32, "save_dots"), ("T", "2,1,1,1", 4, "1f1b", 4, 1, 8, 32, "none"),
-    ("T8", "1,2,1,1", 4, "interleaved", 4, 2, 8, 32, "full"), ("F", "1,1,1,1", 4, "1f1b", 8, 1, 16, 64, "none"),
-    ("F", "1,1,1,1", 4, "1f1b", 16, 1, 32, 64, "none"), ("F", "1,1,1,1", 4, "1f1b", 32, 1, 64, 64, "none"),
-    ("F", "1,1,1,1", 4, "gpipe", 8, 1, 16, 64, "none"), ("F", "1,1,1,1", 4, "gpipe", 16, 1, 32, 64, "none"),
+    ("M8", "4,1,1,1", 2, "interleaved", 4, 2, 16, 32, "full"),
+    ("W", "1,4,1,1", 2, "1f1b", 2, 1, 8, 64, "full"),
+    ("W", "2,1,1,1", 4, "gpipe", 4, 1, 8, 32, "save_qkv_attn"),
+    ("M8", "4,1,1,1", 2, "gpipe", 4, 1, 16, 64, "none"),
+    ("G", "2,1,1,1", 4, "interleaved", 8, 2, 16, 64, "none"),
+    ("W", "1,1,2,2", 2, "interleaved", 4, 1, 8, 32, "full"),
+    ("G", "2,1,1,1", 4, "interleaved", 4, 2, 8, 32, "none"),
+    ("W", "1,1,4,1", 2, "interleaved", 4, 2, 8, 64, "full"),
+    ("D8", "2,1,2,1", 2, "gpipe", 8, 1, 16, 32, "save_qkv_attn"),
+    ("G", "1,2,1,1", 4, "1f1b", 4, 1, 8, 32, "none"),
+    ("D8", "1,2,1,2", 2, "gpipe", 8, 1, 16, 32, "full"),
+    ("D8", "1,2,1,1", 4, "1f1b", 8, 1, 16, 32, "full"),
+    ("DV", "1,4,1,1", 2, "gpipe", 2, 1, 8, 32, "none"),
+    ("M8", "2,2,1,1", 2, "gpipe", 8, 1, 32, 64, "save_dots"),
+    ("G", "1,1,2,2", 2, "gpipe", 2, 1, 2, 64, "save_qkv_attn"),
+    ("D8", "1,1,1,2", 4, "1f1b", 8, 1, 8, 32, "full"),
+    ("M8", "2,1,2,1", 2, "gpipe", 8, 1, 16, 64, "full"),
+    ("V", "1,1,2,2", 2, "gpipe", 4, 1, 4, 64, "none"),
+    ("D8", "1,2,1,2", 2, "1f1b", 2, 1, 4, 32, "full"),
+    ("D", "1,1,2,2", 2, "gpipe", 8, 1, 8, 32, "none"),
+    ("T", "1,2,1,2", 2, "gpipe", 4, 1, 8, 32, "none"),
+    ("T", "2,1,1,1", 4, "1f1b", 8, 1, 16, 32, "save_qkv_attn"),
+    ("D8", "4,1,1,1", 2, "interleaved", 2, 2, 8, 64, "full"),
+    ("G", "1,1,1,1", 8, "gpipe", 8, 1, 8, 32, "full"),
+    ("V", "2,1,2,1", 2, "1f1b", 8, 1, 16, 32, "none"),
+    ("D", "1,1,1,4", 2, "1f1b", 8, 1, 16, 64, "save_qkv_attn"),
+    ("M8", "1,2,1,2", 2, "1f1b", 2, 1, 4, 64, "none"),
+    ("T", "1,1,4,1", 2, "gpipe", 4, 1, 8, 32, "none"),
+    ("T", "1,2,2,1", 2, "1f1b", 8, 1, 16, 32, "none"),
+    ("T", "1,1,2,2", 2, "interleaved", 4, 2, 8, 32, "none"),
+    ("T", "1,1,2,1", 4, "gpipe", 8, 1, 16, 32, "save_dots"),
+    ("T", "2,1,1,1", 4, "1f1b", 4, 1, 8, 32, "none"),
+    ("T8", "1,2,1,1", 4, "interleaved", 4, 2, 8, 32, "full"),
+    ("F", "1,1,1,1", 4, "1f1b", 8, 1, 16, 64, "none"),
+    ("F", "1,1,1,1", 4, "1f1b", 16, 1, 32, 64, "none"),
+    ("F", "1,1,1,1", 4, "1f1b", 32, 1, 64, 64, "none"),
+    ("F", "1,1,1,1", 4, "gpipe", 8, 1, 16, 64, "none"),
+    ("F", "1,1,1,1", 4, "gpipe", 16, 1, 32, 64, "none"),
     ("F", "1,1,1,1", 4, "gpipe", 32, 1, 64, 64, "none"),
 ]
 
@@ -303,11 +371,16 @@ def fit_set() -> None:
         mem.append(error_percent(plan.memory.total, got["peak_memory_bytes"]))
         coll.append(error_percent(comms.total_bytes(plan.collectives)["total"], got["collective_bytes"]["total"]))
         xfer.append(error_percent(plan.pipeline.transfer_bytes, stage_transfer_bytes(compiled, placement)))
-        print(f"   {model:3s} {mesh_dim} pp={pp} {schedule:11s} M={M:<2d} V={V} b{batch:<2d} t{seq} {remat:13s} "
-              f"memory {mem[-1]:+6.1f}%  transfers {xfer[-1]:+5.1f}%  all collectives {coll[-1]:+6.1f}%", flush=True)
+        print(
+            f"   {model:3s} {mesh_dim} pp={pp} {schedule:11s} M={M:<2d} V={V} b{batch:<2d} t{seq} {remat:13s} "
+            f"memory {mem[-1]:+6.1f}%  transfers {xfer[-1]:+5.1f}%  all collectives {coll[-1]:+6.1f}%",
+            flush=True,
+        )
     for what, errs in (("per-device memory", mem), ("stage transfers", xfer), ("all collectives", coll)):
-        print(f"   {what:18s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
-              f"range {min(errs):+.1f}% .. {max(errs):+.1f}%")
+        print(
+            f"   {what:18s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
+            f"range {min(errs):+.1f}% .. {max(errs):+.1f}%"
+        )
 
 
 if __name__ == "__main__" and "--fit-set" in sys.argv:
@@ -317,16 +390,22 @@ elif __name__ == "__main__":
     import statistics
 
     print(f"pipeline grid: {len(GRID)} cases on 8 simulated CPU devices (test model, seq 32, float32)")
-    print(f"   {'case':40s} {'peak MB':>8s} {'compiled':>9s} {'error':>7s}   {'xfer MB':>8s} {'compiled':>9s} {'error':>7s}")
+    print(
+        f"   {'case':40s} {'peak MB':>8s} {'compiled':>9s} {'error':>7s}   {'xfer MB':>8s} {'compiled':>9s} {'error':>7s}"
+    )
     mem_err, xfer_err = [], []
     for name, (job, shape, got) in compile_grid().items():
         plan = search.evaluate(job, shape, CATALOG["h100"])
         mem, xfer = errors(job, shape, got)
         mem_err.append(mem)
         xfer_err.append(xfer)
-        print(f"   {name:40s} {plan.memory.total / 1e6:8.2f} {got['peak_memory_bytes'] / 1e6:9.2f} {mem:+6.1f}%   "
-              f"{plan.pipeline.transfer_bytes / 1e6:8.3f} {got['stage_transfer_bytes'] / 1e6:9.3f} {xfer:+6.1f}%")
+        print(
+            f"   {name:40s} {plan.memory.total / 1e6:8.2f} {got['peak_memory_bytes'] / 1e6:9.2f} {mem:+6.1f}%   "
+            f"{plan.pipeline.transfer_bytes / 1e6:8.3f} {got['stage_transfer_bytes'] / 1e6:9.3f} {xfer:+6.1f}%"
+        )
     for what, errs in (("per-device memory", mem_err), ("stage transfers", xfer_err)):
         worst = max(errs, key=abs)
-        print(f"   {what:18s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, worst {worst:+.1f}% "
-              f"(range {min(errs):+.1f}% .. {max(errs):+.1f}%)")
+        print(
+            f"   {what:18s}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, worst {worst:+.1f}% "
+            f"(range {min(errs):+.1f}% .. {max(errs):+.1f}%)"
+        )

@@ -22,8 +22,21 @@ def _plan(capsys, *flags):
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("flags", [BIG, ["plan", "--model=llama3-8b", "--devices=64", "--hardware=h100",
-                                         "--batch_size=256", "--seq_len=8192", "--json"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        BIG,
+        [
+            "plan",
+            "--model=llama3-8b",
+            "--devices=64",
+            "--hardware=h100",
+            "--batch_size=256",
+            "--seq_len=8192",
+            "--json",
+        ],
+    ],
+)
 def test_jobs_that_need_remat_get_a_runnable_command_without_naming_it(capsys, flags):
     doc = _plan(capsys, *flags)
     best = doc["plans"][0]
@@ -75,7 +88,7 @@ def test_first_fitting_is_the_least_recomputation_under_the_budget():
     for policy in remat.POLICIES:
         budget = peaks[policy] + 1
         chosen, peak = remat.first_fitting(job, shape, budget)
-        assert peak <= budget and all(peaks[p] > budget for p in remat.POLICIES[:remat.POLICIES.index(chosen)])
+        assert peak <= budget and all(peaks[p] > budget for p in remat.POLICIES[: remat.POLICIES.index(chosen)])
     assert remat.first_fitting(job, shape, 1.0)[0] == "full"
 
 

@@ -67,8 +67,10 @@ def test_tpu_peak_memory_within_10_percent(request, hardware, mesh_dim):
     job, shape, got = compiled[mesh_dim]
     predicted = memory.estimate(job, shape, memory.compiler_for(hardware)).total
     err = error_percent(predicted, got["peak_memory_bytes"])
-    assert abs(err) <= 10.0, (f"{hardware} {mesh_dim}: predicted peak memory {err:+.1f}% off the TPU program "
-                              f"(refit with `python bench/plan_tpu.py --fit --hardware={hardware}`)")
+    assert abs(err) <= 10.0, (
+        f"{hardware} {mesh_dim}: predicted peak memory {err:+.1f}% off the TPU program "
+        f"(refit with `python bench/plan_tpu.py --fit --hardware={hardware}`)"
+    )
 
 
 def test_onchip_memory_takes_at_most_its_size_and_never_the_state():
@@ -96,8 +98,18 @@ def test_verify_for_tpu_without_libtpu_says_how_to_install_it(monkeypatch, capsy
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
-    code = main(["plan", "--model=test", "--devices=4", "--hardware=tpu-v5p", "--batch_size=4", "--seq_len=64",
-                 "--mesh_dim=1,4,1,1", "--verify=1"])
+    code = main(
+        [
+            "plan",
+            "--model=test",
+            "--devices=4",
+            "--hardware=tpu-v5p",
+            "--batch_size=4",
+            "--seq_len=64",
+            "--mesh_dim=1,4,1,1",
+            "--verify=1",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "libtpu" in err[0] and "pip install -e '.[tpu]'" in err[0]

@@ -26,16 +26,24 @@ MAX_SEQ_LEN = 256
 MAX_BATCH = 8
 
 
-def make_engine(preset: str = "test", mesh_dim: str = "1,1,1,1", max_batch: int = 8, max_seq_len: int = 256,
-                seed: int = 0, start: bool = True, **kw) -> Engine:
+def make_engine(
+    preset: str = "test",
+    mesh_dim: str = "1,1,1,1",
+    max_batch: int = 8,
+    max_seq_len: int = 256,
+    seed: int = 0,
+    start: bool = True,
+    **kw,
+) -> Engine:
     """An engine on random float32 weights of a preset with a small byte-level tokenizer, on the first
     devices of the mesh `mesh_dim`; started (compiled) unless `start=False`."""
     cfg = resolve_model(preset).replace(dtype="float32", param_dtype="float32")
     n = math.prod(int(x) for x in mesh_dim.split(","))
     mesh = meshlib.build_mesh(meshlib.parse_mesh_dim(mesh_dim, n), jax.devices()[:n])
     tokenizer = train_tokenizer("stdlib", cfg.vocab_size, train_chars=400_000)
-    engine = Engine(random_model(cfg, mesh, tokenizer, seed=seed, name=preset), max_batch=max_batch,
-                    max_seq_len=max_seq_len, **kw)
+    engine = Engine(
+        random_model(cfg, mesh, tokenizer, seed=seed, name=preset), max_batch=max_batch, max_seq_len=max_seq_len, **kw
+    )
     return engine.start() if start else engine
 
 

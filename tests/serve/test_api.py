@@ -64,7 +64,7 @@ def handles(engine, monkeypatch) -> list[_RecordingHandle]:
 
     def recording_submit_batch(requests):
         recorded.extend(_RecordingHandle(h, r) for h, r in zip(submit_batch(requests), requests))
-        return recorded[-len(requests):]
+        return recorded[-len(requests) :]
 
     monkeypatch.setattr(engine, "submit_batch", recording_submit_batch)
     return recorded
@@ -75,8 +75,9 @@ def handles(engine, monkeypatch) -> list[_RecordingHandle]:
 
 
 def test_completion(client, engine):
-    completion = client.completions.create(model=engine.model_name, prompt="Once upon a time", max_tokens=8,
-                                           temperature=0)
+    completion = client.completions.create(
+        model=engine.model_name, prompt="Once upon a time", max_tokens=8, temperature=0
+    )
     assert completion.object == "text_completion"
     assert completion.model == engine.model_name
     [choice] = completion.choices
@@ -102,8 +103,16 @@ def test_streamed_completion_matches_the_whole_one(client, engine):
 
 def test_streamed_echo_of_max_tokens_0_is_an_event_stream(client, engine):
     """`echo` with `max_tokens: 0` scores the prompt only; streamed, it is one chunk with the prompt."""
-    chunks = list(client.completions.create(model=engine.model_name, prompt="The cat", max_tokens=0, echo=True,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=engine.model_name,
+            prompt="The cat",
+            max_tokens=0,
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert [c.choices[0].text for c in chunks[:-1]] == ["The cat"], chunks
     assert chunks[0].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 0
@@ -111,7 +120,9 @@ def test_streamed_echo_of_max_tokens_0_is_an_event_stream(client, engine):
 
 def test_chat_completion(client, engine):
     chat = client.chat.completions.create(
-        model=engine.model_name, max_tokens=8, temperature=0,
+        model=engine.model_name,
+        max_tokens=8,
+        temperature=0,
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
     )
     assert chat.object == "chat.completion"
@@ -123,8 +134,12 @@ def test_chat_completion(client, engine):
 
 
 def test_streamed_chat_completion_matches_the_whole_one(client, engine):
-    request = dict(model=engine.model_name, max_tokens=12, temperature=0,
-                   messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}])
+    request = dict(
+        model=engine.model_name,
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}],
+    )
     whole = client.chat.completions.create(**request)
     chunks = list(client.chat.completions.create(**request, stream=True))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -134,8 +149,15 @@ def test_streamed_chat_completion_matches_the_whole_one(client, engine):
 
 
 def test_seeded_sampling_repeats(client, engine):
-    request = dict(model=engine.model_name, prompt="Roll the dice:", max_tokens=10, temperature=1.0, top_p=0.9,
-                   seed=1234, extra_body={"top_k": 50})
+    request = dict(
+        model=engine.model_name,
+        prompt="Roll the dice:",
+        max_tokens=10,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"top_k": 50},
+    )
     first, second = (client.completions.create(**request).choices[0].text for _ in range(2))
     assert first == second
 
@@ -151,8 +173,11 @@ def test_models_and_health(client, http, engine):
 
 def test_sse_wire_format(http):
     """What a client without the openai library sees: `data: {json}` events, then `data: [DONE]`."""
-    with http.stream("POST", "/v1/chat/completions",
-                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}) as r:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True},
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         body = r.read().decode()
@@ -176,8 +201,11 @@ BAD_REQUESTS = {
     "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, "model"),
     "unknown chat model": ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model"),
     "prompt longer than the context": ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt"),
-    "chat longer than the context": ("/v1/chat/completions",
-                                     {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
+    "chat longer than the context": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+        "messages",
+    ),
     "max_tokens 0": ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
     "max_tokens negative": ("/v1/chat/completions", {**CHAT, "max_tokens": -3}, "max_tokens"),
     "max_tokens beyond the context": ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),
@@ -187,8 +215,11 @@ BAD_REQUESTS = {
     "top_k < 0": ("/v1/completions", {"prompt": "Hi", "top_k": -1}, "top_k"),
     "top_k beyond int32": ("/v1/completions", {"prompt": "Hi", "temperature": 1.0, "top_k": 2**31}, "top_k"),
     "lone surrogate in the prompt": ("/v1/completions", b'{"prompt": "Hi \\ud800"}', "prompt"),
-    "lone surrogate in a message": ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
-                                    "messages.0.content"),
+    "lone surrogate in a message": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        "messages.0.content",
+    ),
     "lone surrogate in stop": ("/v1/completions", b'{"prompt": "Hi", "stop": ["\\ud800"]}', "stop"),
     "max_tokens as a string": ("/v1/completions", {"prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
     "max_tokens as a float": ("/v1/completions", {"prompt": "Hi", "max_tokens": 5.5}, "max_tokens"),
@@ -201,9 +232,11 @@ BAD_REQUESTS = {
     "no messages": ("/v1/chat/completions", {"messages": []}, "messages"),
     "message without content": ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
     "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role"),
-    "image content": ("/v1/chat/completions",
-                      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-                      "messages.0.content"),
+    "image content": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        "messages.0.content",
+    ),
     "n = 2": ("/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
     "n = 2 in chat": ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
 }
@@ -249,8 +282,11 @@ def test_a_busy_port_is_a_usage_error():
         port = holder.getsockname()[1]
         with pytest.raises(UsageError, match=f"--port={port}: cannot listen there.*another --port"):
             bind("127.0.0.1", port)
-    with pytest.raises(UsageError, match=r"--host=192.0.2.1 is not an address of this machine; use 127.0.0.1 "
-                                         r"\(this machine only\) or 0.0.0.0 \(every interface\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"--host=192.0.2.1 is not an address of this machine; use 127.0.0.1 "
+        r"\(this machine only\) or 0.0.0.0 \(every interface\)",
+    ):
         bind("192.0.2.1", 8000)  # a documentation address, on no interface here: refused without any traffic
 
 
@@ -391,8 +427,9 @@ def test_shutdown_ends_open_replies_with_503(engine, handles, serve_app):
                     first_event.set()
 
     def post(url):
-        whole.append(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 200, "ignore_eos": True},
-                                timeout=60))
+        whole.append(
+            httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 200, "ignore_eos": True}, timeout=60)
+        )
 
     with serve_app(create_app(engine), grace_s=grace_s) as url:
         clients = [threading.Thread(target=client, args=(url,)) for client in (stream, post)]
@@ -425,11 +462,17 @@ def test_32_concurrent_streaming_clients(server, engine):
         counts = []
         async with client:
             for j in range(n_requests):
-                common = dict(model=engine.model_name, max_tokens=max_tokens, stream=True, seed=i * n_requests + j,
-                              stream_options={"include_usage": True})
+                common = dict(
+                    model=engine.model_name,
+                    max_tokens=max_tokens,
+                    stream=True,
+                    seed=i * n_requests + j,
+                    stream_options={"include_usage": True},
+                )
                 if j % 2:
                     stream = await client.chat.completions.create(
-                        **common, messages=[{"role": "user", "content": f"Client {i}, request {j}"}])
+                        **common, messages=[{"role": "user", "content": f"Client {i}, request {j}"}]
+                    )
                 else:
                     stream = await client.completions.create(**common, prompt=f"Client {i}, request {j}:")
                 finish, usage = None, None

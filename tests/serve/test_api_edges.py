@@ -37,16 +37,29 @@ JSON = {"Content-Type": "application/json"}
 
 def test_each_refusal_has_a_code_and_names_the_fix(http):
     post = lambda body, headers=JSON: http.post("/v1/completions", content=body, headers=headers)  # noqa: E731
-    assert_error(post(b'{"prompt": "Hi" "max_tokens": 3}'), 400, "invalid_json",
-                 "not valid JSON: Expecting ',' delimiter at line 1 column 17", "send one JSON object")
+    assert_error(
+        post(b'{"prompt": "Hi" "max_tokens": 3}'),
+        400,
+        "invalid_json",
+        "not valid JSON: Expecting ',' delimiter at line 1 column 17",
+        "send one JSON object",
+    )
     assert_error(post(b'{"prompt":\n "Hi",\n}'), 400, "invalid_json", "at line 3 column 1")
     assert_error(post(b'{"prompt": "\xff"}'), 400, "invalid_json", "cannot be decoded as utf-8: byte 0xff at offset 12")
     assert_error(post(b"[" * 100_000), 400, "invalid_json", "nests", "too deeply")
     assert_error(post(b'{"prompt": "Hi", "seed": 1' + b"0" * 5000 + b"}"), 400, "invalid_json", "4300 digits")
-    assert_error(post(b'{"prompt": "Hi"}', {"Content-Type": "text/plain"}), 400, "invalid_value",
-                 "`Content-Type: application/json`")
-    assert_error(post(b'{"prompt": "Hi", "max_tokens": "5"}'), 400, "invalid_value",
-                 'max_tokens: Input should be a valid integer; got a string ("5")')
+    assert_error(
+        post(b'{"prompt": "Hi"}', {"Content-Type": "text/plain"}),
+        400,
+        "invalid_value",
+        "`Content-Type: application/json`",
+    )
+    assert_error(
+        post(b'{"prompt": "Hi", "max_tokens": "5"}'),
+        400,
+        "invalid_value",
+        'max_tokens: Input should be a valid integer; got a string ("5")',
+    )
     assert_error(post(b"7"), 400, "invalid_value", "the request body is an integer (7), not a JSON object")
     assert_error(http.get("/v1/nothing"), 404, "not_found", "no route GET /v1/nothing", "POST /v1/completions")
     assert_error(http.get("/v1/completions"), 405, "method_not_allowed", "GET is not allowed", "use POST")
@@ -66,8 +79,14 @@ def test_seed_keys_are_64_bits_and_keep_the_32_bit_ones():
 
 def test_seeds_beyond_32_bits_give_their_own_samples(http, engine):
     def sample(seed: int) -> list[int]:
-        body = {"prompt": "Roll the dice:", "max_tokens": 12, "temperature": 1.0, "seed": seed, "ignore_eos": True,
-                "logprobs": 0}
+        body = {
+            "prompt": "Roll the dice:",
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": seed,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["logprobs"]["tokens"]
@@ -98,15 +117,62 @@ def test_docs_want_the_key_and_load_nothing_from_outside(keyed_server, api_key):
 # --------------------------------------------------------------------------------------------------
 # Fuzz: bad requests of every shape get a 4xx JSON error with a code, never a 5xx
 
-ODD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, -(2**64), 1e308, -0.0, 0.5, "", "x", "5", "\u00e9\u4e2d",
-              "\ud800", [], [1], ["x"], [[1, 2]], [[]], [None], {}, {"a": 1}, {"type": "text"}, [{"type": "text"}]]
+ODD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    -(2**64),
+    1e308,
+    -0.0,
+    0.5,
+    "",
+    "x",
+    "5",
+    "\u00e9\u4e2d",
+    "\ud800",
+    [],
+    [1],
+    ["x"],
+    [[1, 2]],
+    [[]],
+    [None],
+    {},
+    {"a": 1},
+    {"type": "text"},
+    [{"type": "text"}],
+]
 BASES = {
     "/v1/completions": {"prompt": "Hi", "max_tokens": 2, "temperature": 0.0},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2,
-                             "temperature": 0.0},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_completion_tokens": 2,
+        "temperature": 0.0,
+    },
 }
-FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "echo",
-          "logprobs", "top_logprobs", "stream_options", "ignore_eos", "model", "unknown_field"]
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "stream_options",
+    "ignore_eos",
+    "model",
+    "unknown_field",
+]
 
 
 def _fuzz_bodies(count: int, rng: random.Random) -> list[tuple[str, bytes]]:

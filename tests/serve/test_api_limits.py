@@ -40,7 +40,7 @@ def test_stop_matcher_finds_what_str_find_finds():
         stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
         matcher, start, fed = StopMatcher(stops), None, 0
-        for piece in (text[i:i + 3] for i in range(0, len(text), 3)):
+        for piece in (text[i : i + 3] for i in range(0, len(text), 3)):
             start = matcher.feed(piece)
             fed += len(piece)
             if start is not None:
@@ -75,8 +75,11 @@ def _longest_gap_beside(http, server, request: dict) -> tuple[float, httpx.Respo
     def stream(i: int) -> None:
         last = None
         with httpx.Client(base_url=server, timeout=60) as own:
-            with own.stream("POST", "/v1/completions", json={"prompt": f"Stream {i}", "max_tokens": 120,
-                                                             "temperature": 1.0, "seed": i, "stream": True}) as r:
+            with own.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": f"Stream {i}", "max_tokens": 120, "temperature": 1.0, "seed": i, "stream": True},
+            ) as r:
                 for line in r.iter_lines():
                     now = time.perf_counter()
                     if line.startswith("data: {") and last is not None:
@@ -108,7 +111,8 @@ def test_a_million_character_stop_string_does_not_stall_other_streams(http, serv
         gc.unfreeze()
     assert reply.status_code == 200, reply.text
     assert longest < max(0.2, 2 * control), (
-        f"the longest gap between tokens was {longest:.3f} s beside the long stop string, {control:.3f} s beside a short one")
+        f"the longest gap between tokens was {longest:.3f} s beside the long stop string, {control:.3f} s beside a short one"
+    )
 
 
 def test_text_held_back_for_a_stop_string_is_sent_when_the_reply_ends(http):
@@ -141,8 +145,9 @@ def strict_server(engine):
     """A server whose connections must send a request's head within 0.5 s and its body within 0.5 s."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = make_server(create_app(engine), grace_s=0.5, header_timeout_s=0.5, body_timeout_s=0.5,
-                         log_config=None, log_level="warning")
+    server = make_server(
+        create_app(engine), grace_s=0.5, header_timeout_s=0.5, body_timeout_s=0.5, log_config=None, log_level="warning"
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -202,8 +207,10 @@ def test_a_kept_alive_connection_still_serves(strict_server):
 def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(http, engine, monkeypatch):
     encode, lengths = engine.tokenizer.encode, []
     monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a, **k: lengths.append(len(text)) or encode(text))
-    for path, body in [("/v1/completions", {"prompt": "word " * 190_000}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 190_000}]})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": "word " * 190_000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 190_000}]}),
+    ]:
         response = http.post(path, json=body)
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
         assert "characters" in response.json()["error"]["message"]
@@ -218,16 +225,20 @@ def _status_line(conn: socket.socket, seconds: float) -> bytes:
 def test_an_announced_oversized_body_is_refused_at_once(server):
     with socket.create_connection(_address(server)) as conn:
         start = time.perf_counter()
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 50000000\r\n\r\n" + b"x" * 10_000)
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n" + b"x" * 10_000
+        )
         assert _status_line(conn, 5).startswith(b"HTTP/1.1 413")
         assert time.perf_counter() - start < 2
 
 
 def test_a_chunked_body_is_refused_once_past_the_limit(server):
     with socket.create_connection(_address(server)) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         chunk = b"x" * 100_000
         for _ in range(11):  # 1.1 MB, and the body never ends
             conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))

@@ -32,8 +32,15 @@ def browser():
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM),
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
         )
         yield browser
         browser.close()
@@ -182,6 +189,7 @@ def test_long_conversation_leaves_out_the_oldest_turns(page, server):
 def test_long_conversation_keeps_a_stopped_reply(page, server, engine):
     """A server that does not say its context (no max_model_len): the page learns it from the server's
     400s, leaving out one more turn and asking again. A reply stopped half-way is sent with the next turn."""
+
     def models_without_context(route):
         response = route.fetch()
         body = response.json()

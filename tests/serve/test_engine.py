@@ -63,7 +63,7 @@ def reference(host_params):
         for _ in range(NEW_TOKENS):
             tokens = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
             seq.append(int(jnp.argmax(forward(params, tokens)[0, len(seq) - 1])))
-        outs.append(seq[len(prompt):])
+        outs.append(seq[len(prompt) :])
     return outs
 
 
@@ -72,8 +72,9 @@ def test_greedy_with_cache_matches_full_forward(reference, host_params, mesh_dim
     mesh = _mesh(mesh_dim)
     data = mesh.shape["dp"] * mesh.shape["fsdp"]
     # Fewer slots than requests: the last one joins when a slot frees (continuous batching).
-    engine = Engine(_model(mesh, host_params), max_batch=2 * data if data > 1 else 2,
-                    max_seq_len=64, prefill_buckets=(16,)).start()
+    engine = Engine(
+        _model(mesh, host_params), max_batch=2 * data if data > 1 else 2, max_seq_len=64, prefill_buckets=(16,)
+    ).start()
     try:
         handles = [engine.submit(GenerationRequest(p, NEW_TOKENS, SamplingParams(temperature=0.0))) for p in PROMPTS]
         got = [[tid for ev in h.iter_sync(timeout=120) for tid in ev.token_ids] for h in handles]
@@ -87,8 +88,7 @@ def test_greedy_with_cache_matches_full_forward(reference, host_params, mesh_dim
 
 @pytest.fixture(scope="module")
 def engine(host_params):
-    eng = Engine(_model(_mesh("1,1,1,1"), host_params), max_batch=4, max_seq_len=64,
-                 prefill_buckets=(16, 32)).start()
+    eng = Engine(_model(_mesh("1,1,1,1"), host_params), max_batch=4, max_seq_len=64, prefill_buckets=(16, 32)).start()
     yield eng
     eng.stop()
 
@@ -111,8 +111,10 @@ def test_seeded_sampling_is_repeatable_and_independent_of_batch_neighbours(engin
 
 def test_more_requests_than_slots_all_finish_without_recompiling(engine):
     before = engine.compiled_shapes()
-    handles = [engine.submit(GenerationRequest(list(range(1, 2 + i)), 3 + i % 5, SamplingParams(0.7, seed=i)))
-               for i in range(20)]
+    handles = [
+        engine.submit(GenerationRequest(list(range(1, 2 + i)), 3 + i % 5, SamplingParams(0.7, seed=i)))
+        for i in range(20)
+    ]
     for i, h in enumerate(handles):
         ids = _ids(h)
         assert len(ids) == 3 + i % 5 and h.finish_reason == "length"
@@ -152,13 +154,16 @@ def test_cancel_frees_the_slot(engine):
     assert _ids(engine.submit(GenerationRequest([2], 3, SamplingParams(0.0)))) != []
 
 
-@pytest.mark.parametrize("prompt, max_tokens, message", [
-    ([], 4, "empty"),
-    ([1] * 40, 4, "longest prompt"),
-    ([1] * 30, 40, "exceeds the context"),
-    ([1], 0, "positive"),
-    ([CFG.vocab_size], 1, "token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, max_tokens, message",
+    [
+        ([], 4, "empty"),
+        ([1] * 40, 4, "longest prompt"),
+        ([1] * 30, 40, "exceeds the context"),
+        ([1], 0, "positive"),
+        ([CFG.vocab_size], 1, "token ids"),
+    ],
+)
 def test_requests_that_cannot_fit_are_refused_up_front(engine, prompt, max_tokens, message):
     with pytest.raises(ValueError, match=message):
         engine.submit(GenerationRequest(prompt, max_tokens))

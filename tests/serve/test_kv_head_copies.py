@@ -35,7 +35,7 @@ def reference(host_params):
         for _ in range(NEW):
             logits = forward(params, jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32))
             seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-        outs.append(seq[len(prompt):])
+        outs.append(seq[len(prompt) :])
     return outs
 
 

@@ -21,16 +21,27 @@ from meshlm.serve.loading import LoadedModel
 from tests.support.hf import mesh_of, small_hf_config, torch_llama, torch_logits
 
 VOCAB = 512
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 PROMPTS = [[11, 300, 42, 7, 99, 250, 3], [5, 17, 400, 23], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72]]
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    model = torch_llama(small_hf_config(vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                                        rope_parameters={"rope_theta": 500000.0, **LLAMA3}))
+    model = torch_llama(
+        small_hf_config(
+            vocab_size=VOCAB,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={"rope_theta": 500000.0, **LLAMA3},
+        )
+    )
     path = tmp_path_factory.mktemp("hf")
     model.save_pretrained(path)
     return model, path
@@ -55,8 +66,9 @@ def in_process(loaded):
 @pytest.fixture(scope="module")
 def hf_engine(loaded):
     cfg, placement, params, tokenizer = loaded
-    engine = Engine(LoadedModel(cfg, placement, params, tokenizer, "hf-tiny"), max_batch=4, max_seq_len=64,
-                    prefill_buckets=(32, 64)).start()
+    engine = Engine(
+        LoadedModel(cfg, placement, params, tokenizer, "hf-tiny"), max_batch=4, max_seq_len=64, prefill_buckets=(32, 64)
+    ).start()
     yield engine
     engine.stop()
 
@@ -70,8 +82,11 @@ def http(hf_engine, serve_app):
 def hf_logprobs(hf_model, ids: list[int]) -> np.ndarray:
     """log p(token | before) from transformers, [n, V] for positions 0..n-1 (row t predicts token t + 1)."""
     logits = torch_logits(hf_model[0], np.asarray([ids])).astype(np.float64)[0]
-    return logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+    return (
+        logits
+        - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
 
 
 def hf_greedy(hf_model, ids: list[int], n: int, eos: int) -> list[int]:
@@ -81,7 +96,7 @@ def hf_greedy(hf_model, ids: list[int], n: int, eos: int) -> list[int]:
         if nxt == eos:
             break
         seq.append(nxt)
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def post(http, path: str, body: dict) -> dict:
@@ -95,16 +110,20 @@ def test_echoed_prompts_match_transformers_and_the_in_process_scorer(http, hf_mo
     reply = post(http, "/v1/completions", {"prompt": PROMPTS, "max_tokens": 0, "echo": True, "logprobs": 5})
     scored = in_process.score(PROMPTS, top=5)
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
-    assert reply["usage"] == {"prompt_tokens": sum(map(len, PROMPTS)), "completion_tokens": 0,
-                              "total_tokens": sum(map(len, PROMPTS))}
+    assert reply["usage"] == {
+        "prompt_tokens": sum(map(len, PROMPTS)),
+        "completion_tokens": 0,
+        "total_tokens": sum(map(len, PROMPTS)),
+    }
     for choice, ids, mine in zip(reply["choices"], PROMPTS, scored):
         lp = choice["logprobs"]
         assert choice["text"] == tokenizer.decode(ids) and choice["finish_reason"] == "length"
         assert lp["tokens"] == [tokenizer.decode([t]) for t in ids]
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         want = hf_logprobs(hf_model, ids)
-        np.testing.assert_allclose(lp["token_logprobs"][1:], [want[t - 1, ids[t]] for t in range(1, len(ids))],
-                                   atol=ATOL, rtol=0)
+        np.testing.assert_allclose(
+            lp["token_logprobs"][1:], [want[t - 1, ids[t]] for t in range(1, len(ids))], atol=ATOL, rtol=0
+        )
         np.testing.assert_allclose(lp["token_logprobs"][1:], mine.logprobs[1:], atol=1e-6, rtol=0)
         for t in range(1, len(ids)):
             top = lp["top_logprobs"][t]
@@ -125,20 +144,22 @@ def test_generated_tokens_match_transformers(http, hf_model, in_process, loaded)
     prompt = PROMPTS[0]
     expected = hf_greedy(hf_model, prompt, 8, tokenizer.eos_id)
     for echo in (False, True):
-        reply = post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2,
-                                               "echo": echo})
+        reply = post(
+            http, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": echo}
+        )
         [choice] = reply["choices"]
         lp = choice["logprobs"]
         shown = prompt + expected if echo else expected
         assert lp["tokens"] == [tokenizer.decode([t]) for t in shown]
         assert reply["usage"]["completion_tokens"] == len(expected)
         want = hf_logprobs(hf_model, prompt + expected)
-        got = lp["token_logprobs"][len(prompt):] if echo else lp["token_logprobs"]
+        got = lp["token_logprobs"][len(prompt) :] if echo else lp["token_logprobs"]
         np.testing.assert_allclose(got, [want[len(prompt) + i - 1, t] for i, t in enumerate(expected)], atol=ATOL)
-        assert all(max(top.values()) == logprob for top, logprob in zip(lp["top_logprobs"][-len(expected):],
-                                                                          got))  # greedy: the chosen is the best
+        assert all(
+            max(top.values()) == logprob for top, logprob in zip(lp["top_logprobs"][-len(expected) :], got)
+        )  # greedy: the chosen is the best
         [mine] = in_process.score([prompt + expected], top=2)
-        np.testing.assert_allclose(got, mine.logprobs[len(prompt):], atol=1e-6)
+        np.testing.assert_allclose(got, mine.logprobs[len(prompt) :], atol=1e-6)
         text = choice["text"]
         assert text == (tokenizer.decode(prompt) if echo else "") + tokenizer.decode(expected)
         assert all(text[o:].startswith(tok) for o, tok in zip(lp["text_offset"], lp["tokens"]) if tok.isascii())
@@ -150,21 +171,29 @@ def test_lm_eval_loglikelihood_request(http, hf_model, hf_engine, loaded):
     context = [11, 300, 42]
     best = int(np.argmax(hf_logprobs(hf_model, context)[-1]))
     prompts = [context + [7, 99], context + [best]]  # a continuation the model would not pick, and one it would
-    body = {"model": hf_engine.model_name, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
-            "echo": True, "seed": 1234}
+    body = {
+        "model": hf_engine.model_name,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "echo": True,
+        "seed": 1234,
+    }
     reply = post(http, "/v1/completions", body)
     for choice, prompt in zip(sorted(reply["choices"], key=lambda c: c["index"]), prompts):
         lp = choice["logprobs"]
         ctxlen = len(context)
         # lm-eval drops the generated token with [:-1]; here the model may also have ended at once (eos)
-        shown = lp["token_logprobs"][ctxlen:len(prompt)]
-        tops = lp["top_logprobs"][ctxlen:len(prompt)]
+        shown = lp["token_logprobs"][ctxlen : len(prompt)]
+        tops = lp["top_logprobs"][ctxlen : len(prompt)]
         want = hf_logprobs(hf_model, prompt)
-        np.testing.assert_allclose(sum(shown), sum(want[t - 1, prompt[t]] for t in range(ctxlen, len(prompt))),
-                                   atol=ATOL)
+        np.testing.assert_allclose(
+            sum(shown), sum(want[t - 1, prompt[t]] for t in range(ctxlen, len(prompt))), atol=ATOL
+        )
         is_greedy = all(logprob == max(top.values()) for logprob, top in zip(shown, tops))
         assert is_greedy == all(int(np.argmax(want[t - 1])) == prompt[t] for t in range(ctxlen, len(prompt)))
-        assert lp["tokens"][:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+        assert lp["tokens"][: len(prompt)] == [tokenizer.decode([t]) for t in prompt]
 
 
 def test_every_prompt_form_and_nulls(http, loaded):
@@ -178,22 +207,54 @@ def test_every_prompt_form_and_nulls(http, loaded):
     one_ids = post(http, "/v1/completions", {**common, "prompt": tokenizer.encode(texts[1])})["choices"]
     assert [c["text"] for c in as_strings] == [c["text"] for c in as_ids] == alone
     assert one_ids[0]["text"] == alone[1] and [c["index"] for c in as_strings] == [0, 1]
-    nulls = {"prompt": "Hi", "max_tokens": None, "temperature": None, "top_p": None, "top_k": None, "n": None,
-             "stop": None, "seed": None, "stream": None, "stream_options": None, "logprobs": None, "echo": None,
-             "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "user": None, "suffix": None,
-             "best_of": None, "model": None}
+    nulls = {
+        "prompt": "Hi",
+        "max_tokens": None,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "n": None,
+        "stop": None,
+        "seed": None,
+        "stream": None,
+        "stream_options": None,
+        "logprobs": None,
+        "echo": None,
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "logit_bias": None,
+        "user": None,
+        "suffix": None,
+        "best_of": None,
+        "model": None,
+    }
     reply = post(http, "/v1/completions", nulls)
     assert reply["choices"][0]["logprobs"] is None and 1 <= reply["usage"]["completion_tokens"] <= 16
-    chat_nulls = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": None,
-                  "top_logprobs": None, "max_completion_tokens": None, "temperature": None, "stop": None}
+    chat_nulls = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "logprobs": None,
+        "top_logprobs": None,
+        "max_completion_tokens": None,
+        "temperature": None,
+        "stop": None,
+    }
     assert post(http, "/v1/chat/completions", chat_nulls)["choices"][0]["logprobs"] is None
 
 
 def test_chat_logprobs(http, hf_model, loaded):
     tokenizer = loaded[3]
-    reply = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}],
-                                                "max_tokens": 5, "temperature": 0, "logprobs": True,
-                                                "top_logprobs": 3})
+    reply = post(
+        http,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
     [choice] = reply["choices"]
     content = choice["logprobs"]["content"]
     assert len(content) == reply["usage"]["completion_tokens"]
@@ -205,16 +266,20 @@ def test_chat_logprobs(http, hf_model, loaded):
         row = want[len(prompt_ids) + i - 1]
         assert entry["logprob"] == pytest.approx(row[token], abs=ATOL)
         assert entry["bytes"] == list(entry["token"].encode())
-        assert [alt["token"] for alt in entry["top_logprobs"]] == [tokenizer.decode([int(t)])
-                                                                  for t in np.argsort(-row)[:3]]
+        assert [alt["token"] for alt in entry["top_logprobs"]] == [
+            tokenizer.decode([int(t)]) for t in np.argsort(-row)[:3]
+        ]
         assert entry["top_logprobs"][0]["logprob"] == pytest.approx(row.max(), abs=ATOL)
 
 
 def test_batched_prompts_run_as_one_batch(http, hf_engine):
     scorer = hf_engine.scorer()
     chunks, steps = hf_engine.stats["score_chunks"], hf_engine.stats["decode_steps"]
-    reply = post(http, "/v1/completions", {"prompt": [[5 + i, 9, 13] for i in range(4)], "max_tokens": 12,
-                                           "temperature": 0, "logprobs": 1})
+    reply = post(
+        http,
+        "/v1/completions",
+        {"prompt": [[5 + i, 9, 13] for i in range(4)], "max_tokens": 12, "temperature": 0, "logprobs": 1},
+    )
     generated = reply["usage"]["completion_tokens"]
     steps = hf_engine.stats["decode_steps"] - steps
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
@@ -225,18 +290,21 @@ def test_batched_prompts_run_as_one_batch(http, hf_engine):
     assert scorer.compiled_shapes() == compiled, "a repeated shape compiled again"
 
 
-@pytest.mark.parametrize("body, named", [
-    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "Hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "Hi", "logprobs": 1, "stream": True}, "logprobs"),
-    ({"prompt": ["a", "b"], "stream": True}, "prompt"),
-    ({"prompt": [], "max_tokens": 1}, "prompt"),
-    ({"prompt": [[1, 2], "x", 3]}, "prompt"),
-    ({"prompt": [[1, 2], [VOCAB]]}, "prompt"),
-    ({"prompt": [1, True]}, "prompt"),
-    ({"prompt": [[1] * 65], "max_tokens": 0, "echo": True}, "prompt"),
-    ({"prompt": "Hi", "echo": "yes"}, "echo"),
-])
+@pytest.mark.parametrize(
+    "body, named",
+    [
+        ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "Hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "Hi", "logprobs": 1, "stream": True}, "logprobs"),
+        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"prompt": [], "max_tokens": 1}, "prompt"),
+        ({"prompt": [[1, 2], "x", 3]}, "prompt"),
+        ({"prompt": [[1, 2], [VOCAB]]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": [[1] * 65], "max_tokens": 0, "echo": True}, "prompt"),
+        ({"prompt": "Hi", "echo": "yes"}, "echo"),
+    ],
+)
 def test_bad_completion_fields_are_400(http, body, named):
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
@@ -245,8 +313,9 @@ def test_bad_completion_fields_are_400(http, body, named):
 
 
 def test_chat_top_logprobs_needs_logprobs(http):
-    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                       "top_logprobs": 2})
+    response = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
 
 

@@ -31,9 +31,27 @@ def lora_run(tmp_path_factory):
     base = write_numpy_hf(root / "base", small_hf_config(vocab_size=512))
     train_tokenizer("stdlib", 512, train_chars=400_000).save(base)
     run = root / "run"
-    assert main(["train", "--mesh_dim=2,2,2,1", f"--init_from=hf:{base}", "--lora_rank=4", "--lora_alpha=8",
-                 "--dataset=synthetic", "--batch_size=4", "--seq_len=32", "--steps=2", "--lr=0.1",
-                 "--warmup_steps=1", "--log_every=1", f"--output_dir={run}", "--peak_tflops=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--mesh_dim=2,2,2,1",
+                f"--init_from=hf:{base}",
+                "--lora_rank=4",
+                "--lora_alpha=8",
+                "--dataset=synthetic",
+                "--batch_size=4",
+                "--seq_len=32",
+                "--steps=2",
+                "--lr=0.1",
+                "--warmup_steps=1",
+                "--log_every=1",
+                f"--output_dir={run}",
+                "--peak_tflops=1",
+            ]
+        )
+        == 0
+    )
     merged = root / "merged"
     assert main(["export", f"--checkpoint={run}", f"--out={merged}", "--merge"]) == 0
     return dict(root=root, base=base, run=run, merged=merged, want=generate(f"hf:{merged}"))
@@ -60,7 +78,8 @@ def test_moved_base_is_one_line_naming_base_flag_and_base_flag_finds_it(lora_run
 
 
 def test_base_flag_on_whole_weights_is_one_line(lora_run, capsys):
-    code = main(["generate", f"--checkpoint={lora_run['merged']}", f"--base={lora_run['base']}", f"--prompt={PROMPT}",
-                 *FLAGS])
+    code = main(
+        ["generate", f"--checkpoint={lora_run['merged']}", f"--base={lora_run['base']}", f"--prompt={PROMPT}", *FLAGS]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and "drop --base" in err and "\n" not in err, err

@@ -53,7 +53,9 @@ def checkpoint(tmp_path_factory) -> Path:
     cfg = resolve_model("test").replace(dtype="float32", param_dtype="float32")
     one = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
     train_tokenizer("stdlib", cfg.vocab_size, train_chars=400_000).save(root / "tokenizer")
-    return save_params(jax.device_get(place(cfg, one).init(seed=0)), cfg, root / "test", tokenizer_dir=root / "tokenizer")
+    return save_params(
+        jax.device_get(place(cfg, one).init(seed=0)), cfg, root / "test", tokenizer_dir=root / "tokenizer"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +65,19 @@ def reference(checkpoint) -> str:
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        assert main(["generate", f"--checkpoint={checkpoint}", f"--mesh_dim={GENERATE_MESH}", f"--prompt={PROMPT}",
-                     f"--max_tokens={MAX_TOKENS}", "--temperature=0"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    f"--checkpoint={checkpoint}",
+                    f"--mesh_dim={GENERATE_MESH}",
+                    f"--prompt={PROMPT}",
+                    f"--max_tokens={MAX_TOKENS}",
+                    "--temperature=0",
+                ]
+            )
+            == 0
+        )
     assert text.getvalue().startswith(PROMPT) and len(text.getvalue()) > len(PROMPT) + 1, text.getvalue()
     return text.getvalue()
 
@@ -79,8 +92,17 @@ class Cluster:
         env.pop("XLA_FLAGS", None)
         self.procs = []
         for pid in range(n):
-            cmd = [sys.executable, "-m", "meshlm", command, "--devices=4", *flags,
-                   f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}", f"--process_id={pid}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "meshlm",
+                command,
+                "--devices=4",
+                *flags,
+                f"--coordinator_address=127.0.0.1:{port}",
+                f"--num_processes={n}",
+                f"--process_id={pid}",
+            ]
             with open(logs / f"p{pid}.out", "w") as out, open(logs / f"p{pid}.err", "w") as err:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=ROOT))
 
@@ -168,7 +190,11 @@ def test_steps_arrive_in_order_and_read_blocks_are_deleted():
     store = _Store()
     leader, followers = multihost.Leader(3, store), [multihost.Follower(k, store) for k in (1, 2)]
     settings = SlotSampling.host([SamplingParams(0.7, 5, 0.9, seed=3), SamplingParams(0.0)], [1, 2])
-    tokens, lengths, slots = np.arange(8, dtype=np.int32).reshape(2, 4), np.array([4, 1], np.int32), np.array([0, 2], np.int32)
+    tokens, lengths, slots = (
+        np.arange(8, dtype=np.int32).reshape(2, 4),
+        np.array([4, 1], np.int32),
+        np.array([0, 2], np.int32),
+    )
     leader.prefill(tokens, lengths, slots, settings)
     step = followers[0].receive()
     assert step.kind == "prefill"
@@ -178,7 +204,10 @@ def test_steps_arrive_in_order_and_read_blocks_are_deleted():
     B = multihost.BLOCK
     for i in range(3 * B - 1):  # steps 1 .. 3B-1: blocks 0, 1, 2 are full
         leader.decode(1 + i % 4, 64)
-    assert [followers[0].receive() for _ in range(2)] == [multihost.Step("decode", (1, 64)), multihost.Step("decode", (2, 64))]
+    assert [followers[0].receive() for _ in range(2)] == [
+        multihost.Step("decode", (1, 64)),
+        multihost.Step("decode", (2, 64)),
+    ]
 
     def blocks():
         return sorted({int(k.split("/")[3]) for k in store.kv if k.startswith(multihost.STEP_PREFIX)})
@@ -213,13 +242,32 @@ def test_serve_and_generate_take_the_cluster_flags_of_train(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = capsys.readouterr().out
-        assert all(f"--{flag}" in text for flag in ("coordinator_address", "num_processes", "process_id",
-                                                     "peer_timeout", "connect_timeout")), text
-    r = subprocess.run([sys.executable, "-m", "meshlm", "serve", "--checkpoint=x", "--num_processes=2",
-                        "--process_id=2", "--coordinator_address=127.0.0.1:1"], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip() == "error: --process_id=2 is not in 0 .. 1 (--num_processes=2); " \
-                                                     "number the processes from 0", r.stderr
+        assert all(
+            f"--{flag}" in text
+            for flag in ("coordinator_address", "num_processes", "process_id", "peer_timeout", "connect_timeout")
+        ), text
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "serve",
+            "--checkpoint=x",
+            "--num_processes=2",
+            "--process_id=2",
+            "--coordinator_address=127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.strip()
+        == "error: --process_id=2 is not in 0 .. 1 (--num_processes=2); number the processes from 0"
+    ), r.stderr
 
 
 # ---------------------------------------------------------------------------- 2 real processes
@@ -227,8 +275,16 @@ def test_serve_and_generate_take_the_cluster_flags_of_train(capsys):
 
 @pytest.mark.slow
 def test_generate_across_two_processes_prints_what_one_does(checkpoint, reference, cluster):
-    c = cluster("generate", [f"--checkpoint={checkpoint}", f"--mesh_dim={GENERATE_MESH}", f"--prompt={PROMPT}",
-                             f"--max_tokens={MAX_TOKENS}", "--temperature=0"])
+    c = cluster(
+        "generate",
+        [
+            f"--checkpoint={checkpoint}",
+            f"--mesh_dim={GENERATE_MESH}",
+            f"--prompt={PROMPT}",
+            f"--max_tokens={MAX_TOKENS}",
+            "--temperature=0",
+        ],
+    )
     assert c.wait(timeout=300) == [0, 0], c.logs_text()
     assert c.out(0) == reference  # the text alone: the collectives' connection notes are not in it
     assert c.out(1) == "" and c.err(1) == "", c.logs_text()  # process 0 prints, the other follows
@@ -252,7 +308,7 @@ def test_serve_across_two_processes_answers_and_stops_cleanly(checkpoint, refere
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    events.append(line[len("data: "):])
+                    events.append(line[len("data: ") :])
         replies["stream"] = events
 
     threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]  # two rows of one batch
@@ -260,7 +316,7 @@ def test_serve_across_two_processes_answers_and_stops_cleanly(checkpoint, refere
         t.start()
     for t in threads:
         t.join(timeout=180)
-    want = reference[len(PROMPT):-1]
+    want = reference[len(PROMPT) : -1]
     assert replies["whole"].status_code == 200, replies["whole"].text
     assert replies["whole"].json()["choices"][0]["text"] == want
     assert replies["stream"][-1] == "[DONE]" and len(replies["stream"]) > 2, replies["stream"]

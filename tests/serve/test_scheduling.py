@@ -87,7 +87,9 @@ def test_a_stream_goes_on_while_a_long_request_is_scored(server, http, engine):
     assert len(reply.json()["choices"][15]["logprobs"]["tokens"]) == 250
     beside = [b - a for a, b in zip(times, times[1:]) if t0 <= b <= t1]
     assert len(beside) >= 8 and max(beside) < (t1 - t0) / 4, (
-        f"longest gap between tokens {max(beside, default=t1 - t0):.2f} s while scoring took {t1 - t0:.2f} s", [(round(b - t0, 2), round(b - a, 2)) for a, b in zip(times, times[1:]) if t0 <= b <= t1])
+        f"longest gap between tokens {max(beside, default=t1 - t0):.2f} s while scoring took {t1 - t0:.2f} s",
+        [(round(b - t0, 2), round(b - a, 2)) for a, b in zip(times, times[1:]) if t0 <= b <= t1],
+    )
 
 
 @pytest.mark.usefixtures("slow_scoring")
@@ -103,8 +105,9 @@ def test_hanging_up_stops_the_scoring(server, engine):
 def test_shutdown_during_scoring_answers_503(engine, serve_app):
     replies = []
     with serve_app(create_app(engine), grace_s=0.2) as url:
-        client = threading.Thread(target=lambda: replies.append(
-            httpx.post(f"{url}/v1/completions", json=_scoring_request(), timeout=60)))
+        client = threading.Thread(
+            target=lambda: replies.append(httpx.post(f"{url}/v1/completions", json=_scoring_request(), timeout=60))
+        )
         client.start()
         _wait_for(lambda: engine.queue)
         shutdown = time.perf_counter()
@@ -118,17 +121,21 @@ def test_shutdown_during_scoring_answers_503(engine, serve_app):
 
 def test_too_many_logprobs_are_refused_naming_the_limit(http, engine, monkeypatch):
     monkeypatch.setattr(engine, "max_logprobs", 1000)
-    reply = http.post("/v1/completions", json={"prompt": [[7] * 100] * 2, "max_tokens": 0, "echo": True,
-                                               "logprobs": 5})  # 200 tokens × 6 = 1,200
+    reply = http.post(
+        "/v1/completions", json={"prompt": [[7] * 100] * 2, "max_tokens": 0, "echo": True, "logprobs": 5}
+    )  # 200 tokens × 6 = 1,200
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["code"] == "too_many_logprobs" and "1,200" in error["message"], error
     assert "--max_logprobs" in error["message"] and "fewer alternatives" in error["message"], error
-    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                   "max_tokens": 200, "logprobs": True, "top_logprobs": 20})
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "logprobs": True, "top_logprobs": 20},
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs", chat.text
-    fits = http.post("/v1/completions", json={"prompt": [[7] * 100] * 2, "max_tokens": 0, "echo": True,
-                                              "logprobs": 3})  # 800
+    fits = http.post(
+        "/v1/completions", json={"prompt": [[7] * 100] * 2, "max_tokens": 0, "echo": True, "logprobs": 3}
+    )  # 800
     assert fits.status_code == 200, fits.text
 
 

@@ -25,8 +25,11 @@ def test_plan_puts_the_most_needed_shapes_first():
     order = plan(shapes, score=(1, 32))
     assert order[:FIRST] == [("prefill", 32), ("decode", 1, 128)]
     assert order[-1] == ("score", 1, 32)
-    every = {("prefill", n) for n in shapes.prefill_lengths} | {
-        ("decode", r, n) for r in shapes.decode_rows for n in shapes.decode_lengths} | {("score", 1, 32)}
+    every = (
+        {("prefill", n) for n in shapes.prefill_lengths}
+        | {("decode", r, n) for r in shapes.decode_rows for n in shapes.decode_lengths}
+        | {("score", 1, 32)}
+    )
     assert len(order) == len(every) and set(order) == every
     prefills = [s[1] for s in order if s[0] == "prefill"]
     assert prefills == sorted(prefills), "shorter prompts before longer ones"
@@ -34,9 +37,10 @@ def test_plan_puts_the_most_needed_shapes_first():
 
 def _traffic(engine) -> None:
     """Requests of every prompt bucket, from one to every slot busy, running into the longest cache."""
-    handles = [engine.submit(GenerationRequest(list(range(1, 1 + n)), engine.max_seq_len - n,
-                                               SamplingParams(temperature=0.0)))
-               for n in (3, 20, 30, 31)]
+    handles = [
+        engine.submit(GenerationRequest(list(range(1, 1 + n)), engine.max_seq_len - n, SamplingParams(temperature=0.0)))
+        for n in (3, 20, 30, 31)
+    ]
     for h in handles:
         h.result(timeout=300)
 
@@ -87,8 +91,12 @@ def test_serving_while_the_rest_compile_in_the_background(serve_app):
     with serve_app(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
         health = http.get("/health")  # answered at once: the server does not wait for the rest
         assert health.status_code == 200
-        assert health.json() == {"status": "warming_up", "model": engine.model_name, "shapes_compiled": FIRST,
-                                 "shapes": total}
+        assert health.json() == {
+            "status": "warming_up",
+            "model": engine.model_name,
+            "shapes_compiled": FIRST,
+            "shapes": total,
+        }
         engine.start(background=True, progress=progress)
         try:
             # A short request needs only the shapes compiled before serving; a long one waits for its own.
@@ -96,8 +104,12 @@ def test_serving_while_the_rest_compile_in_the_background(serve_app):
                 response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
                 assert response.status_code == 200, response.text
             assert done.wait(timeout=300), f"warm-up did not finish: {reports}"
-            assert http.get("/health").json() == {"status": "ok", "model": engine.model_name,
-                                                  "shapes_compiled": total, "shapes": total}
+            assert http.get("/health").json() == {
+                "status": "ok",
+                "model": engine.model_name,
+                "shapes_compiled": total,
+                "shapes": total,
+            }
             assert [r[0] for r in reports] == sorted(r[0] for r in reports) and reports[-1] == (total, total)
             steps = engine.compiled_shapes()
             assert steps == total - 1
@@ -126,8 +138,11 @@ def test_bad_shape_flags_name_the_flag():
     from meshlm.errors import UsageError
 
     kw = dict(max_batch=4, max_seq_len=256, prefill_batch=None, data=1)
-    with pytest.raises(UsageError, match=r"^--prefill_buckets: length 5000 must be between 1 and the context, "
-                                         r"--max_seq_len=256; drop it or raise --max_seq_len$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--prefill_buckets: length 5000 must be between 1 and the context, "
+        r"--max_seq_len=256; drop it or raise --max_seq_len$",
+    ):
         plan_shapes(2048, prefill_buckets=(10, 5000), sp=1, **kw)
     with pytest.raises(UsageError, match=r"^--prefill_buckets: length 10 must be divisible by 2×sp = 4"):
         plan_shapes(2048, prefill_buckets=(10, 64), sp=2, **kw)

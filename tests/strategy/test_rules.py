@@ -8,8 +8,9 @@ from jax.sharding import PartitionSpec as P
 from meshlm.explain.analysis import boundaries, collectives
 from meshlm.models.placement import place
 from meshlm.strategy import choose
-from tests.support.training import B, CFG, T, mesh_for, run_strategy as run
 from tests.support.cli import meshlm
+from tests.support.training import CFG, B, T, mesh_for
+from tests.support.training import run_strategy as run
 
 GROUPS = """
 [[layers]]            # layer 0 data parallel, layer 1 (the rest) Megatron tensor parallel
@@ -25,7 +26,9 @@ def write(tmp_path, text, name="rules.toml"):
 
 
 def test_logical_and_path_rules(tmp_path):
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
 [logical]
 mlp = ["tp"]
 vocab = []
@@ -38,7 +41,8 @@ spec = ["fsdp", "", ""]      # one layer's dims: the stacked layers axis follows
 [[rules]]
 pattern = "mlp/"                 # the rest of the MLP: first match wins, gate and up are taken
 spec = ["", "tp", ""]
-""")
+""",
+    )
     strategy, rules = choose("default", None, f)
     placement = place(CFG, mesh_for("1,2,4,1"), strategy, rules)
     layers = placement.specs["layers"]
@@ -88,9 +92,21 @@ def test_explain_shows_the_boundary_and_every_table(grouped, capsys, tmp_path):
     from meshlm.cli import main
 
     png = tmp_path / "gate.png"
-    code = main(["explain", "--devices=8", "--mesh_dim=1,1,8,1", "--model=test", "--model.n_kv_heads=8", f"--png={png}",
-                 "--strategy=megatron", f"--sharding_rules={grouped[1]}", f"--batch_size={B}", f"--seq_len={T}",
-                 "--tensor=layers/1-1/mlp/gate"])
+    code = main(
+        [
+            "explain",
+            "--devices=8",
+            "--mesh_dim=1,1,8,1",
+            "--model=test",
+            "--model.n_kv_heads=8",
+            f"--png={png}",
+            "--strategy=megatron",
+            f"--sharding_rules={grouped[1]}",
+            f"--batch_size={B}",
+            f"--seq_len={T}",
+            "--tensor=layers/1-1/mlp/gate",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "boundary layers 0-0 (dp) -> layers 1-1 (megatron)" in out
@@ -105,24 +121,49 @@ def test_explain_shows_the_boundary_and_every_table(grouped, capsys, tmp_path):
 TRAIN = ["train", "--devices=8", "--model=test", "--dataset=synthetic", "--steps=1", "--batch_size=8", "--seq_len=32"]
 BAD = [
     ("[[rules]]\npattern = 'mlp/nothing'\nspec = ['', 'tp', '']\n", [], "rule #1 'mlp/nothing' matches no parameter"),
-    ("[[rules]]\npattern = 'mlp/gate'\nspec = ['', '', 'tp']\n[[rules]]\npattern = 'mlp/(gate)'\nspec = ['', 'fsdp', '']\n",
-     [], "rule #2 'mlp/(gate)' never applies: rule #1 'mlp/gate' takes parameter layers/mlp/gate first"),
-    ("[[rules]]\npattern = 'mlp/gate'\nspec = ['tp', '', '']\n", ["--mesh_dim=1,1,8,1"],
-     "rule #1 'mlp/gate' gives parameter layers/mlp/gate (2, 64, 128) params spec P('tp', None, None): dimension 0 of size 2 is not divisible by tp = 8"),
+    (
+        "[[rules]]\npattern = 'mlp/gate'\nspec = ['', '', 'tp']\n[[rules]]\npattern = 'mlp/(gate)'\nspec = ['', 'fsdp', '']\n",
+        [],
+        "rule #2 'mlp/(gate)' never applies: rule #1 'mlp/gate' takes parameter layers/mlp/gate first",
+    ),
+    (
+        "[[rules]]\npattern = 'mlp/gate'\nspec = ['tp', '', '']\n",
+        ["--mesh_dim=1,1,8,1"],
+        "rule #1 'mlp/gate' gives parameter layers/mlp/gate (2, 64, 128) params spec P('tp', None, None): dimension 0 of size 2 is not divisible by tp = 8",
+    ),
     ("[[rules]]\npattern = 'mlp/gate'\nspec = ['tp', 'tp', '']\n", [], "puts mesh axis 'tp' on two dimensions"),
-    ("[[rules]]\npatern = 'mlp/gate'\nspec = ['', 'tp', '']\n", [], "rule #1: unknown key 'patern'; give exactly pattern ="),
+    (
+        "[[rules]]\npatern = 'mlp/gate'\nspec = ['', 'tp', '']\n",
+        [],
+        "rule #1: unknown key 'patern'; give exactly pattern =",
+    ),
     ("[[rules]]\npattern = 'mlp/gate'\nspec = ['', 'model', '']\n", [], "unknown mesh axis 'model'"),
-    ("[[layers]]\nrange = [0, 1]\nstrategy = 'dp'\n[[layers]]\nrange = [1, 1]\nstrategy = 'megatron'\n", [],
-     "[[layers]] #1 and #2 both cover layer 1"),
+    (
+        "[[layers]]\nrange = [0, 1]\nstrategy = 'dp'\n[[layers]]\nrange = [1, 1]\nstrategy = 'megatron'\n",
+        [],
+        "[[layers]] #1 and #2 both cover layer 1",
+    ),
     ("[[layers]]\nrange = [0, 5]\nstrategy = 'dp'\n", [], "goes past the model's last layer 1"),
-    ("[[layers]]\nrange = [0, 0]\nstrategy = 'zero9'\n", [], "[[layers]] #1: strategy = 'zero9': unknown preset; choose"),
-    ("[[layers]]\nrange = [0, 0]\nstrategy = 'dpp'\n", [], "[[layers]] #1: strategy = 'dpp': unknown preset; did you mean dp?"),
+    (
+        "[[layers]]\nrange = [0, 0]\nstrategy = 'zero9'\n",
+        [],
+        "[[layers]] #1: strategy = 'zero9': unknown preset; choose",
+    ),
+    (
+        "[[layers]]\nrange = [0, 0]\nstrategy = 'dpp'\n",
+        [],
+        "[[layers]] #1: strategy = 'dpp': unknown preset; did you mean dp?",
+    ),
     ("[logical]\nhidden = ['tp']\n", [], "unknown logical axis 'hidden'"),
     ("[logical\nmlp = 1\n", [], "not valid TOML"),
     ("", ["--zero_stage=5"], "--zero_stage=5: choose 0"),
     ("", ["--strategy=zero"], "--strategy=zero: unknown preset; choose one of default, dp, fsdp"),
     ("", ["--strategy=megatorn"], "--strategy=megatorn: unknown preset; did you mean megatron? choose one of"),
-    ("", ["--strategy=dp", "--mesh_dim=1,1,8,1", "--batch_size=4"], "splits the batch over tp = 8 devices but a step has 4 rows"),
+    (
+        "",
+        ["--strategy=dp", "--mesh_dim=1,1,8,1", "--batch_size=4"],
+        "splits the batch over tp = 8 devices but a step has 4 rows",
+    ),
 ]
 
 

@@ -55,7 +55,9 @@ def test_stage2_reduce_scatters_where_stage0_all_reduces(stages):
     assert "reduce-scatter(" in text and "reduce-scatter(" not in stages[0]["step"].as_text()
     assert all(c.axes == ("dp",) for c in collectives(text, stages[2]["placement"]) if c.kind == "reduce-scatter")
     # meshlm.hlo reads the same instructions (it counts their scattered results: input / 8)
-    assert 8 * sum(c.total_bytes for c in parse_collectives(text) if c.kind == "reduce-scatter") == zero2["reduce-scatter"]
+    assert (
+        8 * sum(c.total_bytes for c in parse_collectives(text) if c.kind == "reduce-scatter") == zero2["reduce-scatter"]
+    )
 
 
 @pytest.mark.parametrize("stage", list(MESH))
@@ -65,10 +67,13 @@ def test_every_stage_trains_like_one_device(stages, reference_run, stage):
     np.testing.assert_allclose(stages[stage]["grad_norms"], reference_run["grad_norms"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("dims,accum", [
-    ("2,1,1,4", 1),  # RingAttention over sp inside the shard_map over dp
-    pytest.param("2,2,2,1", 2, marks=pytest.mark.slow),  # tensor parallel inside, gradient accumulation
-])
+@pytest.mark.parametrize(
+    "dims,accum",
+    [
+        ("2,1,1,4", 1),  # RingAttention over sp inside the shard_map over dp
+        pytest.param("2,2,2,1", 2, marks=pytest.mark.slow),  # tensor parallel inside, gradient accumulation
+    ],
+)
 def test_stage2_composes_with_model_parallel_axes(reference, dims, accum):
     r = run(dims, zero_stage=2, grad_accum=accum, shared_init=True)
     np.testing.assert_allclose(r["losses"], reference, rtol=1e-5)
@@ -87,10 +92,16 @@ def test_layouts_by_stage(stages):
     assert str(mu.sharding.spec) == "P(None, 'dp', None)"
 
 
-@pytest.mark.parametrize("stage, sizes, refused", [
-    (0, {"fsdp": 2, "pp": 2}, True), (2, {"dp": 2, "pp": 2}, True), (3, {"fsdp": 2, "pp": 2}, False),
-    (None, {"fsdp": 2, "pp": 2}, False), (1, {"tp": 2, "pp": 2}, False),  # no data axis over 1 device
-])
+@pytest.mark.parametrize(
+    "stage, sizes, refused",
+    [
+        (0, {"fsdp": 2, "pp": 2}, True),
+        (2, {"dp": 2, "pp": 2}, True),
+        (3, {"fsdp": 2, "pp": 2}, False),
+        (None, {"fsdp": 2, "pp": 2}, False),
+        (1, {"tp": 2, "pp": 2}, False),  # no data axis over 1 device
+    ],
+)
 def test_stages_0_to_2_are_refused_with_a_pipeline(stage, sizes, refused):
     from meshlm.errors import UsageError
     from meshlm.strategy import check_pipelined, choose

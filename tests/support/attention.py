@@ -46,9 +46,7 @@ def value_and_grads(fn, q, k, v, dout, pos, seg, causal, **kw):
 
 
 reference = jax.jit(
-    lambda q, k, v, dout, pos, seg, causal: value_and_grads(
-        dot_product_attention, q, k, v, dout, pos, seg, causal
-    ),
+    lambda q, k, v, dout, pos, seg, causal: value_and_grads(dot_product_attention, q, k, v, dout, pos, seg, causal),
     static_argnames="causal",
 )
 

@@ -27,10 +27,15 @@ def hf_tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     for i in range(L):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
-            p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (K * D, E),
-            p + "self_attn.v_proj.weight": (K * D, E), p + "self_attn.o_proj.weight": (E, H * D),
-            p + "mlp.gate_proj.weight": (M, E), p + "mlp.up_proj.weight": (M, E), p + "mlp.down_proj.weight": (E, M),
+            p + "input_layernorm.weight": (E,),
+            p + "post_attention_layernorm.weight": (E,),
+            p + "self_attn.q_proj.weight": (H * D, E),
+            p + "self_attn.k_proj.weight": (K * D, E),
+            p + "self_attn.v_proj.weight": (K * D, E),
+            p + "self_attn.o_proj.weight": (E, H * D),
+            p + "mlp.gate_proj.weight": (M, E),
+            p + "mlp.up_proj.weight": (M, E),
+            p + "mlp.down_proj.weight": (E, M),
         }
     return shapes
 
@@ -54,7 +59,7 @@ def write_numpy_hf(directory: Path, hf: dict, dtype="float32", seed=0, per_layer
         key = name.split(".")[2] if per_layer_files and name.startswith("model.layers.") else "rest"
         groups.setdefault(key, []).append(name)
     weight_map = {}
-    for k, (key, names) in enumerate(groups.items()):
+    for k, names in enumerate(groups.values()):
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" if per_layer_files else "model.safetensors"
         save_file({n: tensor(shapes[n]) for n in names}, str(directory / fname), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(names, fname)
@@ -68,8 +73,17 @@ def write_numpy_hf(directory: Path, hf: dict, dtype="float32", seed=0, per_layer
 
 
 def small_hf_config(**kw) -> dict:
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     return base | kw
 
 
@@ -108,8 +122,10 @@ def hf_folder_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
 
 def meshlm_logits(placement, params, tokens: np.ndarray) -> np.ndarray:
     # Replicated logits: left to the compiler, JAX 0.12 may pick a layout it cannot name on the mesh.
-    fn = jax.jit(lambda p, t: placement.apply(p, t),
-                 out_shardings=jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec()))
+    fn = jax.jit(
+        lambda p, t: placement.apply(p, t),
+        out_shardings=jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec()),
+    )
     return np.asarray(fn(params, jax.numpy.asarray(tokens, jax.numpy.int32)))
 
 

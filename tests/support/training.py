@@ -8,8 +8,8 @@ import numpy as np
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
-from meshlm.strategy import choose
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
+from meshlm.strategy import choose
 from meshlm.train.state import create_train_state, state_shardings
 from meshlm.train.step import compile_step, make_train_step, put_batch, sequence_permutation
 
@@ -31,10 +31,15 @@ def make_batches(cfg=CFG, steps=STEPS, batch=B, seq=T, seed=0):
         segments = np.concatenate([np.ones(cut), 2 * np.ones(seq - cut)]).astype(np.int32)
         mask = np.ones((batch, seq), np.float32)
         mask[:, cut - 1] = 0.0  # the prediction across the document boundary
-        out.append(dict(
-            inputs=toks[:, :-1], targets=toks[:, 1:], positions=np.tile(positions, (batch, 1)),
-            segment_ids=np.tile(segments, (batch, 1)), loss_mask=mask,
-        ))
+        out.append(
+            dict(
+                inputs=toks[:, :-1],
+                targets=toks[:, 1:],
+                positions=np.tile(positions, (batch, 1)),
+                segment_ids=np.tile(segments, (batch, 1)),
+                loss_mask=mask,
+            )
+        )
     return out
 
 
@@ -101,11 +106,19 @@ def train(placement, with_grads=False, grad_accum=1, shared_init=False):
         state, metrics = step(state, put_batch(placement, b, perm))
         losses.append(float(metrics["loss"]))
         grad_norms.append(float(metrics["grad_norm"]))
-    return dict(losses=losses, grad_norms=grad_norms, step=step, grads=grads, batch=batch, placement=placement,
-                state=state)
+    return dict(
+        losses=losses, grad_norms=grad_norms, step=step, grads=grads, batch=batch, placement=placement, state=state
+    )
 
 
-def run_strategy(dims: str, strategy: str = "default", zero_stage=None, rules_file=None, with_grads=False, grad_accum=1,
-                 shared_init=False):
+def run_strategy(
+    dims: str,
+    strategy: str = "default",
+    zero_stage=None,
+    rules_file=None,
+    with_grads=False,
+    grad_accum=1,
+    shared_init=False,
+):
     s, rules = choose(strategy, zero_stage, rules_file)
     return train(place(CFG, mesh_for(dims), s, rules), with_grads, grad_accum, shared_init)

@@ -17,10 +17,13 @@ from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 from tests.support.training import CFG, OPT, T, make_batches, mesh_for
 
 
-@pytest.mark.parametrize("dims, zero_stage, grad_accum, weight_decay", [
-    ("1,1,1,1", None, 1, 0.1),  # XLA's collectives; the default weight decay shrinks the matrices
-    ("2,2,2,1", 1, 2, 0.0),  # each data shard's sums in a shard_map, two micro-batches; nothing moves
-])
+@pytest.mark.parametrize(
+    "dims, zero_stage, grad_accum, weight_decay",
+    [
+        ("1,1,1,1", None, 1, 0.1),  # XLA's collectives; the default weight decay shrinks the matrices
+        ("2,2,2,1", 1, 2, 0.0),  # each data shard's sums in a shard_map, two micro-batches; nothing moves
+    ],
+)
 def test_step_on_a_batch_without_counted_tokens(dims, zero_stage, grad_accum, weight_decay):
     opt = dataclasses.replace(OPT, weight_decay=weight_decay)
     placement = place(CFG, mesh_for(dims), choose("default", zero_stage, None)[0])
@@ -40,8 +43,9 @@ def test_step_on_a_batch_without_counted_tokens(dims, zero_stage, grad_accum, we
     # Zero gradients and zero moments: Adam's update is 0 / (0 + eps) = 0; decay is lr·wd·W on matrices.
     lr = float(lr_schedule(opt)(0))
     after, decayed = jax.device_get(state.params), decay_mask(before)
-    for (path, w0), w1, d in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after),
-                                 jax.tree.leaves(decayed)):
+    for (path, w0), w1, d in zip(
+        jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after), jax.tree.leaves(decayed)
+    ):
         if d and weight_decay:
             np.testing.assert_allclose(w1, w0 * (1 - lr * weight_decay), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
         else:

@@ -48,10 +48,24 @@ def run(corpus, tmp_path_factory):
     jax_logger.addHandler(handler)
     try:
         with jax.log_compiles(True):
-            summary = train(TrainConfig(
-                model="test", dataset=corpus, steps=4, batch_size=B, seq_len=T, log_every=1, lr=1e-2, dtype="float32",
-                mesh_dim="2,2,2,1", output_dir=str(out / "run"), peak_tflops=1.0, eval_split=SPLIT, eval_every=2,
-                eval_batches=EVAL_BATCHES))
+            summary = train(
+                TrainConfig(
+                    model="test",
+                    dataset=corpus,
+                    steps=4,
+                    batch_size=B,
+                    seq_len=T,
+                    log_every=1,
+                    lr=1e-2,
+                    dtype="float32",
+                    mesh_dim="2,2,2,1",
+                    output_dir=str(out / "run"),
+                    peak_tflops=1.0,
+                    eval_split=SPLIT,
+                    eval_every=2,
+                    eval_batches=EVAL_BATCHES,
+                )
+            )
     finally:
         jax_logger.removeHandler(handler)
         mp.undo()
@@ -69,9 +83,10 @@ def test_eval_loss_equals_an_independent_forward_pass(run, corpus):
     tok = load_tokenizer(None, corpus, cfg.vocab_size, cache_dir=out / "cache")
     tokens = tokenize_corpus(corpus, tok, cache_dir=out / "cache")
     rows = held_out_rows((len(tokens) - 1) // T, SPLIT)[: EVAL_BATCHES * B]
-    batch = pack_rows(np.stack([tokens[r * T: r * T + T + 1] for r in rows]), tok.eos_id)
-    logits = np.asarray(jax.jit(placement.apply)(params, batch["inputs"], batch["positions"], batch["segment_ids"]),
-                        np.float64)
+    batch = pack_rows(np.stack([tokens[r * T : r * T + T + 1] for r in rows]), tok.eos_id)
+    logits = np.asarray(
+        jax.jit(placement.apply)(params, batch["inputs"], batch["positions"], batch["segment_ids"]), np.float64
+    )
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, batch["targets"][..., None].astype(np.int64), -1)[..., 0]
@@ -107,28 +122,37 @@ def test_eval_is_logged_to_jsonl_tensorboard_console_and_plot(run, monkeypatch):
     assert (out / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (dict(eval_split=0.0), "--eval_split=0.0 must be a fraction strictly between 0 and 1"),
-    (dict(eval_split=1.0), "--eval_split=1.0 must be a fraction strictly between 0 and 1"),
-    (dict(eval_split=0.1, eval_dataset="stdlib"), "pass one of them"),
-    (dict(eval_split=0.1, eval_every=0), "--eval_every=0 must be a positive integer"),
-    (dict(eval_split=0.1, eval_batches=-1), "--eval_batches=-1 must be a positive integer"),
-    (dict(eval_every=5), "--eval_every needs something to evaluate"),
-    (dict(eval_batches=5), "--eval_batches needs something to evaluate"),
-    (dict(eval_dataset=" "), "--eval_dataset is empty"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(eval_split=0.0), "--eval_split=0.0 must be a fraction strictly between 0 and 1"),
+        (dict(eval_split=1.0), "--eval_split=1.0 must be a fraction strictly between 0 and 1"),
+        (dict(eval_split=0.1, eval_dataset="stdlib"), "pass one of them"),
+        (dict(eval_split=0.1, eval_every=0), "--eval_every=0 must be a positive integer"),
+        (dict(eval_split=0.1, eval_batches=-1), "--eval_batches=-1 must be a positive integer"),
+        (dict(eval_every=5), "--eval_every needs something to evaluate"),
+        (dict(eval_batches=5), "--eval_batches needs something to evaluate"),
+        (dict(eval_dataset=" "), "--eval_dataset is empty"),
+    ],
+)
 def test_eval_flags_are_checked(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         TrainConfig(**flags).validate()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--eval_split=1.5"], "--eval_split=1.5 must be a fraction strictly between 0 and 1"),
-    (["--eval_split=0.1", "--eval_dataset=stdlib"], "--eval_dataset and --eval_split both choose"),
-    (["--eval_split=0.1", "--eval_every=0"], "--eval_every=0 must be a positive integer"),
-    (["--eval_dataset=/no/such/eval.txt", "--dataset=synthetic", "--model=test", "--devices=1"], "/no/such/eval.txt"),
-    (["--eval_batches=3"], "--eval_batches needs something to evaluate: add --eval_split=0.01 or --eval_dataset"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eval_split=1.5"], "--eval_split=1.5 must be a fraction strictly between 0 and 1"),
+        (["--eval_split=0.1", "--eval_dataset=stdlib"], "--eval_dataset and --eval_split both choose"),
+        (["--eval_split=0.1", "--eval_every=0"], "--eval_every=0 must be a positive integer"),
+        (
+            ["--eval_dataset=/no/such/eval.txt", "--dataset=synthetic", "--model=test", "--devices=1"],
+            "/no/such/eval.txt",
+        ),
+        (["--eval_batches=3"], "--eval_batches needs something to evaluate: add --eval_split=0.01 or --eval_dataset"),
+    ],
+)
 def test_bad_eval_flags_are_one_line_exit_2(args, message, capsys):
     from meshlm.cli import main
 
@@ -142,8 +166,17 @@ def test_too_few_held_out_rows_stops_before_any_compile(corpus, tmp_path, monkey
 
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
     with jax.log_compiles(True):
-        code = main(["train", "--model=test", f"--dataset={corpus}",
-                     "--eval_split=0.001", "--batch_size=8", "--seq_len=32", f"--output_dir={tmp_path / 'run'}"])
+        code = main(
+            [
+                "train",
+                "--model=test",
+                f"--dataset={corpus}",
+                "--eval_split=0.001",
+                "--batch_size=8",
+                "--seq_len=32",
+                f"--output_dir={tmp_path / 'run'}",
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert code == 2 and "raise --eval_split" in err.splitlines()[-1], err
     assert not (tmp_path / "run" / "checkpoints" / "1").exists()

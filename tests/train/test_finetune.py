@@ -16,10 +16,27 @@ from meshlm.train.console import run_console
 from meshlm.train.loop import train
 
 SHIPPED = Path(__file__).parents[2] / "examples" / "chat_small.jsonl"
-BASE = dict(model="test", dataset="synthetic", batch_size=8, seq_len=32, lr=1e-2, dtype="float32", peak_tflops=1.0,
-            mesh_dim="1,8,1,1", warmup_steps=0)
-FLAGS = ["--model=test", "--dataset=synthetic", "--batch_size=8", "--seq_len=32", "--dtype=float32",
-         "--peak_tflops=1", "--mesh_dim=1,8,1,1", "--warmup_steps=0"]
+BASE = dict(
+    model="test",
+    dataset="synthetic",
+    batch_size=8,
+    seq_len=32,
+    lr=1e-2,
+    dtype="float32",
+    peak_tflops=1.0,
+    mesh_dim="1,8,1,1",
+    warmup_steps=0,
+)
+FLAGS = [
+    "--model=test",
+    "--dataset=synthetic",
+    "--batch_size=8",
+    "--seq_len=32",
+    "--dtype=float32",
+    "--peak_tflops=1",
+    "--mesh_dim=1,8,1,1",
+    "--warmup_steps=0",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +52,16 @@ def run(out, **kw):
 
 def test_chat_fine_tuning_logs_its_data_and_keeps_the_template_for_serving(tmp_path):
     out = tmp_path / "run"
-    summary, log = run(out, dataset=str(SHIPPED), seq_len=128, steps=2, log_every=1, chat_template="chatml",
-                       long_conversations="drop", tracker="none")
+    summary, log = run(
+        out,
+        dataset=str(SHIPPED),
+        seq_len=128,
+        steps=2,
+        log_every=1,
+        chat_template="chatml",
+        long_conversations="drop",
+        tracker="none",
+    )
     assert summary["final_loss"] is not None and summary["diverged"] is None
     assert "chat data: 50 conversations in" in log and "template chatml; loss on assistant tokens" in log
     assert "longer than --seq_len=128 dropped" in log or "longer than" not in log
@@ -69,6 +94,7 @@ def test_a_nan_stops_within_the_log_interval_and_the_last_good_checkpoint_restor
                 metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
                 new = new._replace(params=jax.tree.map(lambda p: p * jnp.nan, new.params))
             return new, metrics
+
         return step
 
     monkeypatch.setattr(step_module, "make_train_step", poisoned)
@@ -120,14 +146,17 @@ def test_wandb_offline_gets_the_metrics(tmp_path, monkeypatch):
     assert [s for s, _ in logged] == [1, 2] and "loss" in logged[0][1] and not (out / "tb").exists()
 
 
-@pytest.mark.parametrize("flag,message", [
-    ("--tracker=mlflow", "--tracker=mlflow: choose tensorboard, wandb or none"),
-    ("--profile_steps=3:1", "--profile_steps=3:1: write FIRST:LAST"),
-    ("--profile_steps=a:b", "--profile_steps=a:b: write FIRST:LAST"),
-    ("--profile_steps=50:60", "--profile_steps=50:60 starts after the last step (12)"),
-    ("--loss_on=everything", "--loss_on=everything: choose assistant or all"),
-    ("--long_conversations=split", "--long_conversations=split: choose truncate or drop"),
-])
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("--tracker=mlflow", "--tracker=mlflow: choose tensorboard, wandb or none"),
+        ("--profile_steps=3:1", "--profile_steps=3:1: write FIRST:LAST"),
+        ("--profile_steps=a:b", "--profile_steps=a:b: write FIRST:LAST"),
+        ("--profile_steps=50:60", "--profile_steps=50:60 starts after the last step (12)"),
+        ("--loss_on=everything", "--loss_on=everything: choose assistant or all"),
+        ("--long_conversations=split", "--long_conversations=split: choose truncate or drop"),
+    ],
+)
 def test_bad_values_are_one_line_and_exit_code_2(flag, message, capsys, tmp_path):
     assert main(["train", *FLAGS, "--steps=12", f"--output_dir={tmp_path / 'run'}", flag]) == 2
     err = capsys.readouterr().err.strip().splitlines()

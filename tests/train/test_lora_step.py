@@ -53,8 +53,10 @@ def test_lora_training_same_on_every_mesh(single, dims):
     # Adapters after three AdamW steps: Adam divides each gradient by its own size, so a sum taken in
     # another order (a few ulps) moves small-gradient entries by up to about 1e-3 of a step (lr 1e-2)
     # each step: 1.2e-5 was seen on one entry of 1,1,4,2 on an AVX512-BF16 machine.
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(single["state"].params["lora"]),
-                            jax.tree_util.tree_leaves(other["state"].params["lora"])):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(single["state"].params["lora"]),
+        jax.tree_util.tree_leaves(other["state"].params["lora"]),
+    ):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=3e-5, err_msg=jax.tree_util.keystr(path))
 
 

@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from meshlm.errors import UsageError
-from meshlm.models.configs import ModelConfig
 from meshlm.flops import detect_peak_flops, matmul_probe, model_flops_per_token, step_flops
+from meshlm.models.configs import ModelConfig
 from meshlm.train.metrics import MetricsLogger, TrainProgress, print_metrics_line, resolve_peak
 
 # vocab 256, d_model 64, 2 layers, 8 heads (4 kv) x head_dim 8, mlp 128.
@@ -37,20 +37,23 @@ def test_flops_per_token_by_hand_untied_and_tied():
         model_flops_per_token(CFG, 0)
 
 
-@pytest.mark.parametrize("kind, dtype, peak", [
-    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
-    ("NVIDIA H100 80GB HBM3", "float32", 494.7e12),  # TF32 tensor cores, not the bf16 peak
-    ("NVIDIA H100 PCIe", "bfloat16", 756e12),
-    ("NVIDIA H200", "bfloat16", 989e12),
-    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
-    ("NVIDIA A100-SXM4-40GB", "float32", 156e12),
-    ("TPU v4", "bfloat16", 275e12),
-    ("TPU v5 lite", "bfloat16", 197e12),
-    ("TPU v5e", "float32", 197e12),
-    ("TPU v5p", "bfloat16", 459e12),
-    ("TPU v5", "bfloat16", 459e12),
-    ("TPU v6 lite", "bfloat16", 918e12),
-])
+@pytest.mark.parametrize(
+    "kind, dtype, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
+        ("NVIDIA H100 80GB HBM3", "float32", 494.7e12),  # TF32 tensor cores, not the bf16 peak
+        ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+        ("NVIDIA H200", "bfloat16", 989e12),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+        ("NVIDIA A100-SXM4-40GB", "float32", 156e12),
+        ("TPU v4", "bfloat16", 275e12),
+        ("TPU v5 lite", "bfloat16", 197e12),
+        ("TPU v5e", "float32", 197e12),
+        ("TPU v5p", "bfloat16", 459e12),
+        ("TPU v5", "bfloat16", 459e12),
+        ("TPU v6 lite", "bfloat16", 918e12),
+    ],
+)
 def test_detect_peak_flops_table(kind, dtype, peak):
     got, source = detect_peak_flops(kind, dtype)
     assert got == peak
@@ -79,8 +82,8 @@ def _tfrecords(path):
     data = path.read_bytes()
     pos = 0
     while pos < len(data):
-        (length,) = struct.unpack("<Q", data[pos:pos + 8])
-        yield data[pos + 12:pos + 12 + length]
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        yield data[pos + 12 : pos + 12 + length]
         pos += 12 + length + 4
 
 
@@ -98,8 +101,15 @@ def _tb_scalars(tb_dir):
 
 def test_logger_jsonl_tensorboard_png(tmp_path):
     out = tmp_path / "run"
-    logger = MetricsLogger(out, flops_per_token=1e6, peak_flops_per_device=2e12, n_devices=4,
-                           total_steps=30, log_every=10, title="test model on fsdp=4")
+    logger = MetricsLogger(
+        out,
+        flops_per_token=1e6,
+        peak_flops_per_device=2e12,
+        n_devices=4,
+        total_steps=30,
+        log_every=10,
+        title="test model on fsdp=4",
+    )
     assert logger.should_log(10) and logger.should_log(30) and not logger.should_log(11)
     m = logger.log(10, loss=2.5, tokens=8000, seconds=2.0, extra={"lr": 1e-3, "grad_norm": 0.5})
     assert m["tokens_per_s"] == pytest.approx(4000.0)
@@ -133,8 +143,9 @@ def test_a_failed_run_closes_its_files_and_draws_nothing(tmp_path):
     """An error inside `closed_on_error` (a step that fails to trace) closes the event and metrics files,
     so the process ends with the error's one line and no writer thread's traceback; the error goes on."""
     out = tmp_path / "run"
-    logger = MetricsLogger(out, flops_per_token=1e6, peak_flops_per_device=1e12, n_devices=1,
-                           total_steps=10, log_every=1)
+    logger = MetricsLogger(
+        out, flops_per_token=1e6, peak_flops_per_device=1e12, n_devices=1, total_steps=10, log_every=1
+    )
     with pytest.raises(RuntimeError, match="step failed"), logger.closed_on_error():
         logger.log(1, loss=3.0, tokens=100, seconds=1.0)
         raise RuntimeError("step failed")
@@ -147,8 +158,9 @@ def test_a_failed_run_closes_its_files_and_draws_nothing(tmp_path):
 
 def test_disabled_logger_writes_nothing(tmp_path):
     out = tmp_path / "run"
-    logger = MetricsLogger(out, flops_per_token=1e6, peak_flops_per_device=1e12, n_devices=1,
-                           total_steps=10, log_every=1, enabled=False)
+    logger = MetricsLogger(
+        out, flops_per_token=1e6, peak_flops_per_device=1e12, n_devices=1, total_steps=10, log_every=1, enabled=False
+    )
     m = logger.log(1, loss=1.0, tokens=100, seconds=1.0)
     assert m["tokens_per_s"] == 100  # still computed for the caller
     logger.close()

@@ -15,12 +15,23 @@ from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
+from meshlm.train.loop import TrainConfig, train
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, make_train_step
-from meshlm.train.loop import TrainConfig, train
 
-BASE = dict(model="test", model_overrides={"n_layers": "4"}, dataset="synthetic", batch_size=8, seq_len=32,
-            log_every=1, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0, dtype="float32", peak_tflops=1.0)
+BASE = dict(
+    model="test",
+    model_overrides={"n_layers": "4"},
+    dataset="synthetic",
+    batch_size=8,
+    seq_len=32,
+    log_every=1,
+    lr=1e-2,
+    warmup_steps=0,
+    min_lr_ratio=1.0,
+    dtype="float32",
+    peak_tflops=1.0,
+)
 
 
 def run(out, **kw) -> dict[int, float]:
@@ -37,13 +48,17 @@ def plain(tmp_path_factory):
 # pp=2 GPipe on 1,1,4,1 (default microbatches) is checked, for its first 2 steps, by the checkpoint test
 # below: one compile of that job serves both.
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="1f1b", microbatches=4),
-    dict(pp=2, mesh_dim="2,1,2,1", pipeline_schedule="1f1b", microbatches=2),
-    dict(pp=2, mesh_dim="1,1,2,2", pipeline_schedule="interleaved", virtual_stages=2, microbatches=4),
-    dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="1f1b", microbatches=4),
-    dict(pp=4, mesh_dim="1,1,2,1", pipeline_schedule="gpipe", microbatches=8),
-], ids=lambda f: f"pp{f['pp']}-{f['pipeline_schedule']}-{f['mesh_dim']}")
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="1f1b", microbatches=4),
+        dict(pp=2, mesh_dim="2,1,2,1", pipeline_schedule="1f1b", microbatches=2),
+        dict(pp=2, mesh_dim="1,1,2,2", pipeline_schedule="interleaved", virtual_stages=2, microbatches=4),
+        dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="1f1b", microbatches=4),
+        dict(pp=4, mesh_dim="1,1,2,1", pipeline_schedule="gpipe", microbatches=8),
+    ],
+    ids=lambda f: f"pp{f['pp']}-{f['pipeline_schedule']}-{f['mesh_dim']}",
+)
 def test_pipelined_training_gives_the_losses_without_a_pipeline(plain, tmp_path, flags):
     got = run(tmp_path, steps=3, **flags)
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [plain[s] for s in (1, 2, 3)], rtol=1e-5)
@@ -60,8 +75,9 @@ def test_checkpoint_saved_with_pp_2_continues_with_pp_1(plain, tmp_path):
 
 def compiled(schedule_name: str, M: int, pp: int = 4, mesh_dim: str = "1,1,1,1", rows: int = 2):
     """The compiled train step on pp × mesh_dim simulated devices, `rows` rows per microbatch."""
-    cfg = resolve_model("test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4",
-                                 "mlp_dim": "256"}).replace(dtype="float32")
+    cfg = resolve_model(
+        "test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"}
+    ).replace(dtype="float32")
     n = pp * int(np.prod([int(a) for a in mesh_dim.split(",")]))
     mesh = build_mesh(parse_mesh_dim(mesh_dim, n, pp=pp), jax.devices()[:n])
     placement = place(cfg, mesh)
@@ -98,14 +114,17 @@ def stage_flops(mesh_dim: str) -> float:
     return compiled("1f1b", 4, pp=2, mesh_dim=mesh_dim, rows=4).cost_analysis()["flops"]
 
 
-@pytest.mark.parametrize("flags, words", [
-    (dict(pp=2, mesh_dim="1,2,2,1", microbatches=1), "--microbatches=1 is fewer than the --pp=2"),
-    (dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="interleaved", virtual_stages=2), "do not split into --pp=4"),
-    (dict(pp=2, mesh_dim="1,4,1,1", microbatches=4), "does not split into --microbatches=4"),
-    (dict(pp=2, mesh_dim="1,2,2,1", grad_accum=2), "drop --grad_accum"),
-    (dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="zigzag"), "--pipeline_schedule=zigzag"),
-    (dict(pp=3, mesh_dim="1,-1,1,1"), "--pp=3 does not divide the 8 devices"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(pp=2, mesh_dim="1,2,2,1", microbatches=1), "--microbatches=1 is fewer than the --pp=2"),
+        (dict(pp=4, mesh_dim="1,2,1,1", pipeline_schedule="interleaved", virtual_stages=2), "do not split into --pp=4"),
+        (dict(pp=2, mesh_dim="1,4,1,1", microbatches=4), "does not split into --microbatches=4"),
+        (dict(pp=2, mesh_dim="1,2,2,1", grad_accum=2), "drop --grad_accum"),
+        (dict(pp=2, mesh_dim="1,2,2,1", pipeline_schedule="zigzag"), "--pipeline_schedule=zigzag"),
+        (dict(pp=3, mesh_dim="1,-1,1,1"), "--pp=3 does not divide the 8 devices"),
+    ],
+)
 def test_bad_pipeline_flags_are_one_line(tmp_path, flags, words):
     with pytest.raises(UsageError, match=words):
         run(tmp_path, steps=1, **flags)

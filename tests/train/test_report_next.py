@@ -24,7 +24,9 @@ def venv(tmp_path, monkeypatch):
 def test_after_make_the_hint_is_the_venvs_command(venv, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     assert report.meshlm_command() == ".venv/bin/meshlm"
-    assert report.generate_command("outputs/run") == ".venv/bin/meshlm generate --checkpoint=outputs/run --prompt='def '"
+    assert (
+        report.generate_command("outputs/run") == ".venv/bin/meshlm generate --checkpoint=outputs/run --prompt='def '"
+    )
     assert report.generate_command("run", chat=True).startswith(".venv/bin/meshlm serve --checkpoint=run")
 
 

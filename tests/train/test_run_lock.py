@@ -9,14 +9,21 @@ import sys
 from meshlm.train.run_lock import LOCK_FILE, run_folder_lock
 from tests.support.cli import ROOT
 
-HOLD = "from meshlm.train.run_lock import run_folder_lock\nwith run_folder_lock(__import__('sys').argv[1]):\n" \
-       "    print('held', flush=True)\n    __import__('time').sleep(300)\n"
+HOLD = (
+    "from meshlm.train.run_lock import run_folder_lock\nwith run_folder_lock(__import__('sys').argv[1]):\n"
+    "    print('held', flush=True)\n    __import__('time').sleep(300)\n"
+)
 
 
 def hold(out):
     """Another process holding `out`'s lock (as a running `meshlm train` does)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -36,8 +43,15 @@ def test_a_second_run_is_refused_and_touches_nothing(tmp_path, capsys):
     holder = hold(out)
     try:
         before = snapshot(out)
-        argv = ["train", "--model=test", "--dataset=synthetic", "--steps=2", "--batch_size=8", "--seq_len=32",
-                f"--output_dir={out}"]
+        argv = [
+            "train",
+            "--model=test",
+            "--dataset=synthetic",
+            "--steps=2",
+            "--batch_size=8",
+            "--seq_len=32",
+            f"--output_dir={out}",
+        ]
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"pid {holder.pid} on host " in err and "another run" in err, err

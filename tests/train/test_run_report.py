@@ -16,8 +16,19 @@ from meshlm.train.console import plural, run_console
 from meshlm.train.loop import train
 from meshlm.train.report import meshlm_command, schedule_change, summary_lines
 
-BASE = dict(model="test", dataset="synthetic", batch_size=8, seq_len=32, log_every=1, lr=1e-2, dtype="float32",
-            peak_tflops=1.0, mesh_dim="1,8,1,1", min_lr_ratio=0.1, warmup_steps=0)
+BASE = dict(
+    model="test",
+    dataset="synthetic",
+    batch_size=8,
+    seq_len=32,
+    log_every=1,
+    lr=1e-2,
+    dtype="float32",
+    peak_tflops=1.0,
+    mesh_dim="1,8,1,1",
+    min_lr_ratio=0.1,
+    warmup_steps=0,
+)
 
 
 def config(out, **kw):
@@ -109,16 +120,47 @@ def test_schedule_change_names_the_flags_that_keep_it():
 
 
 def test_summary_of_a_stopped_run():
-    lines = summary_lines(first_step=31, last_step=37, total_steps=120, history=[{"step": 35, "loss": 6.5}], evals=[],
-                          stopped="SIGINT", output_dir="outputs/run", checkpoint=None)
-    assert lines[0] == "stopped by SIGINT after step 37: ran steps 31–37 (7 steps, resumed from step 30); loss 6.500 (step 35)"
+    lines = summary_lines(
+        first_step=31,
+        last_step=37,
+        total_steps=120,
+        history=[{"step": 35, "loss": 6.5}],
+        evals=[],
+        stopped="SIGINT",
+        output_dir="outputs/run",
+        checkpoint=None,
+    )
+    assert (
+        lines[0]
+        == "stopped by SIGINT after step 37: ran steps 31–37 (7 steps, resumed from step 30); loss 6.500 (step 35)"
+    )
     assert lines[-1] == "next: the same command resumes from step 37"
-    one = summary_lines(first_step=1, last_step=1, total_steps=1, history=[], evals=[], stopped=None,
-                        output_dir="out dir", checkpoint=None)
+    one = summary_lines(
+        first_step=1,
+        last_step=1,
+        total_steps=1,
+        history=[],
+        evals=[],
+        stopped=None,
+        output_dir="out dir",
+        checkpoint=None,
+    )
     meshlm = meshlm_command()  # as meshlm runs from this shell (tests/train/test_report_next.py)
-    assert one[0] == "done: ran step 1 (1 step)" and one[-1] == f"next: {meshlm} generate --checkpoint='out dir' --prompt='def '"
-    chat = summary_lines(first_step=1, last_step=1, total_steps=1, history=[], evals=[], stopped=None,
-                         output_dir="run", checkpoint=None, chat=True)
+    assert (
+        one[0] == "done: ran step 1 (1 step)"
+        and one[-1] == f"next: {meshlm} generate --checkpoint='out dir' --prompt='def '"
+    )
+    chat = summary_lines(
+        first_step=1,
+        last_step=1,
+        total_steps=1,
+        history=[],
+        evals=[],
+        stopped=None,
+        output_dir="run",
+        checkpoint=None,
+        chat=True,
+    )
     assert chat[-1] == f"next: {meshlm} serve --checkpoint=run   # then open http://127.0.0.1:8000/"
 
 
@@ -127,12 +169,17 @@ def test_the_plot_reads_the_whole_run(tmp_path, monkeypatch):
     from meshlm.train import plot
     from meshlm.train.metrics import MetricsLogger
 
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 7.0 - s / 10}) + "\n" for s in (1, 2, 3))
-                                            + json.dumps({"step": 3, "eval_loss": 6.9}) + "\n" + '{"step": 4, "lo')
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 7.0 - s / 10}) + "\n" for s in (1, 2, 3))
+        + json.dumps({"step": 3, "eval_loss": 6.9})
+        + "\n"
+        + '{"step": 4, "lo'
+    )
     drawn = {}
     monkeypatch.setattr(plot, "plot_run", lambda png, rows, title="": drawn.update(rows=rows))
-    logger = MetricsLogger(tmp_path, flops_per_token=1.0, peak_flops_per_device=1.0, n_devices=1, total_steps=6,
-                           log_every=1)
+    logger = MetricsLogger(
+        tmp_path, flops_per_token=1.0, peak_flops_per_device=1.0, n_devices=1, total_steps=6, log_every=1
+    )
     for step in (4, 5, 6):
         logger.log(step, loss=6.0, tokens=1, seconds=1.0)
     logger.close()
@@ -164,9 +211,9 @@ def test_help_shows_the_seed_default_and_what_output_dir_holds():
     from meshlm.cli.train import parser
 
     text = " ".join(parser().format_help().split())
-    seed = text[text.rindex("--seed INT"):][:200]
+    seed = text[text.rindex("--seed INT") :][:200]
     assert "default: 0" in seed, seed
-    output_dir = text[text.rindex("--output_dir STR"):][:300]
+    output_dir = text[text.rindex("--output_dir STR") :][:300]
     assert "checkpoints" in output_dir, output_dir
     for flag in ("--schedule_steps", "--eval_dataset", "--eval_split", "--eval_every", "--eval_batches"):
         assert flag in text
@@ -185,8 +232,9 @@ def test_resuming_on_other_data_names_the_checkpoint_and_a_fresh_output_dir(two_
         train(config(out, steps=3, dataset=str(corpus)), console=run_console(file=io.StringIO()))
     msg = str(err.value)
     assert msg.startswith(f"{out / 'checkpoints' / '2'}: the checkpoint was trained on 0 rows of data"), msg
-    assert msg.endswith("resume with the same dataset, tokenizer and seq_len; or give a new --output_dir to start a "
-                        "fresh run"), msg
+    assert msg.endswith(
+        "resume with the same dataset, tokenizer and seq_len; or give a new --output_dir to start a fresh run"
+    ), msg
 
 
 def test_a_warmup_past_the_last_step_is_noted(tmp_path):

@@ -16,6 +16,8 @@ from meshlm.train.step import BATCH_KEYS, put_batch
 from tests.support.training import CFG, LR, OPT, STEPS, make_batches, mesh_for, run
 
 MESHES = ["1,1,1,1", "8,1,1,1", "1,8,1,1", "1,1,8,1", "2,2,2,1", "1,2,4,1"]
+
+
 @pytest.fixture(scope="module")
 def runs():
     return {dims: run(dims) for dims in MESHES}

@@ -25,6 +25,9 @@ def test_no_function_over_80_lines_and_the_loop_within_60():
 
 
 def test_no_lora_branch_in_train():
-    found = [(p.name, m.group()) for p in TRAIN.rglob("*.py")
-             for m in re.finditer(r"lora is (not )?None|lora=", p.read_text())]
+    found = [
+        (p.name, m.group())
+        for p in TRAIN.rglob("*.py")
+        for m in re.finditer(r"lora is (not )?None|lora=", p.read_text())
+    ]
     assert not found, found

@@ -12,9 +12,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-STYLE = ("body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
-         "table{border-collapse:collapse;width:100%}td,th{border:1px solid #ccc;padding:.2rem .5rem;"
-         "text-align:left;vertical-align:top}code{font-size:90%}h2{margin-top:2rem}")
+STYLE = (
+    "body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
+    "table{border-collapse:collapse;width:100%}td,th{border:1px solid #ccc;padding:.2rem .5rem;"
+    "text-align:left;vertical-align:top}code{font-size:90%}h2{margin-top:2rem}"
+)
 NOTHING_FETCHED = "default-src 'none'; style-src 'unsafe-inline'"
 
 
@@ -35,9 +37,11 @@ def _type(schema: dict[str, Any]) -> str:
     kind = schema.get("type", "any")
     if kind == "array":
         kind = f"array of {_type(schema.get('items', {}))}"
-    bounds = [f"{sign} {_number(schema[key])}" for key, sign in
-              (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<"))
-              if key in schema]
+    bounds = [
+        f"{sign} {_number(schema[key])}"
+        for key, sign in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<"))
+        if key in schema
+    ]
     return " ".join([kind, ", ".join(bounds)]).strip()
 
 
@@ -46,7 +50,8 @@ def _fields(schema: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td><code>{escape(name)}</code>{' (required)' if name in required else ''}</td>"
         f"<td>{escape(_type(field))}</td><td>{escape(repr(field['default'])) if 'default' in field else ''}</td></tr>"
-        for name, field in schema.get("properties", {}).items())
+        for name, field in schema.get("properties", {}).items()
+    )
     return f"<table><tr><th>field</th><th>type</th><th>default</th></tr>{rows}</table>"
 
 
@@ -57,16 +62,21 @@ def docs_page(openapi: dict[str, Any]) -> str:
         f"<li><code>{escape(method.upper())} {escape(path)}</code> {escape(operation.get('summary', ''))}"
         + (f" (body: <a href=\"#{escape(body)}\">{escape(body)}</a>)" if (body := _body_name(operation)) else "")
         + "</li>"
-        for path, methods in openapi.get("paths", {}).items() for method, operation in methods.items())
+        for path, methods in openapi.get("paths", {}).items()
+        for method, operation in methods.items()
+    )
     schemas = "".join(
         f"<h2 id=\"{escape(name)}\">{escape(name)}</h2>{_fields(schema)}"
         for name, schema in openapi.get("components", {}).get("schemas", {}).items()
-        if name not in ("HTTPValidationError", "ValidationError"))  # the server answers errors its own way
-    return (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(info.get('title', ''))} API"
-            f"</title><style>{STYLE}</style></head><body><h1>{escape(info.get('title', ''))} API</h1>"
-            f"<p>{escape(info.get('summary', ''))}. The schema as JSON: <a href=\"/openapi.json\">/openapi.json</a>. "
-            "Errors are <code>{\"error\": {\"message\", \"type\", \"param\", \"code\"}}</code>.</p>"
-            f"<h2>Routes</h2><ul>{routes}</ul>{schemas}</body></html>")
+        if name not in ("HTTPValidationError", "ValidationError")
+    )  # the server answers errors its own way
+    return (
+        f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(info.get('title', ''))} API"
+        f"</title><style>{STYLE}</style></head><body><h1>{escape(info.get('title', ''))} API</h1>"
+        f"<p>{escape(info.get('summary', ''))}. The schema as JSON: <a href=\"/openapi.json\">/openapi.json</a>. "
+        "Errors are <code>{\"error\": {\"message\", \"type\", \"param\", \"code\"}}</code>.</p>"
+        f"<h2>Routes</h2><ul>{routes}</ul>{schemas}</body></html>"
+    )
 
 
 def _body_name(operation: dict[str, Any]) -> str | None:

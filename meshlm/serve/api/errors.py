@@ -18,16 +18,30 @@ from starlette.exceptions import HTTPException
 
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /docs"
 SEND_JSON = "send one JSON object with the header `Content-Type: application/json`"
-HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-              408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
-              429: "rate_limit_exceeded"}
+HTTP_CODES = {
+    400: "bad_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+}
 
 
 class APIError(Exception):
     """A request the server refuses, as the status and OpenAI-style error body to answer it with."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         code = code or HTTP_CODES.get(status) or ("server_error" if status >= 500 else f"http_{status}")
         message = message.encode("utf-8", "backslashreplace").decode()  # a lone surrogate quoted from the body
@@ -43,8 +57,9 @@ class APIError(Exception):
 def engine_failure(finish_reason: str | None) -> APIError | None:
     """The error for a request the engine ended without finishing it ("stop" and "length" are fine)."""
     if finish_reason == "error":
-        return APIError(500, "generation failed; the server's log says why", type="server_error",
-                        code="generation_failed")
+        return APIError(
+            500, "generation failed; the server's log says why", type="server_error", code="generation_failed"
+        )
     if finish_reason == "cancelled":
         return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     return None
@@ -52,8 +67,15 @@ def engine_failure(finish_reason: str | None) -> APIError | None:
 
 def _json_kind(value: Any) -> str:
     """How a parsed JSON value reads in a message: its JSON type, and the value when short."""
-    kind = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    kind = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
     shown = json.dumps(value) if not isinstance(value, bytes) else ""
     return f"{kind} ({shown})" if value is not None and len(shown) <= 40 else kind
 
@@ -78,20 +100,26 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if param is None and isinstance(error.get("input"), bytes):  # a body FastAPI did not parse as JSON
         return APIError(400, f"the request body was not sent as JSON; {SEND_JSON}", code="invalid_value")
     if param is None:
-        return APIError(400, f"the request body is {_json_kind(error.get('input'))}, not a JSON object; "
-                             f"{SEND_JSON}", code="invalid_value")
+        return APIError(
+            400,
+            f"the request body is {_json_kind(error.get('input'))}, not a JSON object; {SEND_JSON}",
+            code="invalid_value",
+        )
     if error["type"] == "missing":
         return APIError(400, f"{param}: this field is required", param=param, code="invalid_value")
-    return APIError(400, f"{param}: {error['msg']}; got {_json_kind(error.get('input'))}", param=param,
-                    code="invalid_value")
+    return APIError(
+        400, f"{param}: {error['msg']}; got {_json_kind(error.get('input'))}", param=param, code="invalid_value"
+    )
 
 
 def _unreadable_body(cause: BaseException | None) -> str:
     """Why the framework could not read a body as JSON (it says only "There was an error parsing the body")."""
     if isinstance(cause, UnicodeDecodeError):
-        byte = cause.object[cause.start:cause.start + 1].hex()
-        return (f"the request body cannot be decoded as {cause.encoding}: byte 0x{byte} at offset {cause.start} "
-                f"({cause.reason}); send the JSON encoded as UTF-8")
+        byte = cause.object[cause.start : cause.start + 1].hex()
+        return (
+            f"the request body cannot be decoded as {cause.encoding}: byte 0x{byte} at offset {cause.start} "
+            f"({cause.reason}); send the JSON encoded as UTF-8"
+        )
     if isinstance(cause, RecursionError):
         return "the request body nests arrays or objects too deeply to read; send a flatter JSON object"
     if isinstance(cause, ValueError):  # e.g. an integer of more than 4300 digits
@@ -114,8 +142,7 @@ def http_error(exc: HTTPException, method: str, path: str) -> APIError:
 
 
 def server_error() -> APIError:
-    return APIError(500, "internal server error; the server's log says why", type="server_error",
-                    code="internal_error")
+    return APIError(500, "internal server error; the server's log says why", type="server_error", code="internal_error")
 
 
 __all__ = ["APIError", "engine_failure", "validation_error", "http_error", "server_error"]

@@ -54,8 +54,12 @@ def completion_logprobs(tokenizer: Any, scores: Scores, first: int, top: int) ->
         else:
             token_logprobs.append(float(scores.logprobs[i]))
             tops.append(_alternatives(tokenizer, scores, i, top))
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": text_offsets(tokenizer, ids)}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": text_offsets(tokenizer, ids),
+    }
 
 
 def _entry(tokenizer: Any, token: int, logprob: float) -> dict:
@@ -68,8 +72,9 @@ def chat_logprobs(tokenizer: Any, scores: Scores, first: int, top: int) -> dict:
     content = []
     for i in range(max(first, 1), len(scores.token_ids)):
         entry = _entry(tokenizer, scores.token_ids[i], scores.logprobs[i])
-        entry["top_logprobs"] = [_entry(tokenizer, t, lp)
-                                 for t, lp in zip(scores.top_ids[i, :top], scores.top_logprobs[i, :top])]
+        entry["top_logprobs"] = [
+            _entry(tokenizer, t, lp) for t, lp in zip(scores.top_ids[i, :top], scores.top_logprobs[i, :top])
+        ]
         content.append(entry)
     return {"content": content}
 

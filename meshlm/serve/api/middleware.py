@@ -30,8 +30,11 @@ class RequireApiKey:
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             right_key = hmac.compare_digest(given.strip(), self.expected)
             if not (right_key and scheme.lower() == b"bearer"):
-                error = APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                )
                 await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)

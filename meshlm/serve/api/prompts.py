@@ -33,9 +33,13 @@ def tokenize(engine: Any, text: str, param: str) -> list[int]:
     context = engine.max_seq_len
     longest = longest_token_text(engine.tokenizer)
     if longest is not None and len(text) > context * longest:
-        raise APIError(400, f"the prompt is {len(text)} characters, more than the context of {context} tokens "
-                            f"can hold (at most {context * longest}); shorten it",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {len(text)} characters, more than the context of {context} tokens "
+            f"can hold (at most {context * longest}); shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
     return engine.tokenizer.encode(text)
 
 
@@ -47,9 +51,13 @@ def check_fits(engine: Any, prompt_ids: list[int], param: str, room_needed: int 
     room = context - prompt_len
     if room < room_needed:
         leave = ", leaving room for the reply" if room_needed else ""
-        raise APIError(400, f"the prompt is {prompt_len} tokens, and the context is {context} tokens: "
-                            f"shorten it to at most {context - room_needed} tokens{leave}",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {prompt_len} tokens, and the context is {context} tokens: "
+            f"shorten it to at most {context - room_needed} tokens{leave}",
+            param=param,
+            code="context_length_exceeded",
+        )
     return room
 
 
@@ -59,8 +67,16 @@ def check_token_ids(engine: Any, prompt_ids: list[int], param: str) -> None:
         raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param, code="invalid_value")
 
 
-def prepare(engine: Any, prompt_ids: list[int], body: Any, *, max_tokens: int | None, default_max_tokens: int | None,
-            extra_stop: tuple[str, ...] = (), param: str = "prompt") -> GenerationRequest:
+def prepare(
+    engine: Any,
+    prompt_ids: list[int],
+    body: Any,
+    *,
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    extra_stop: tuple[str, ...] = (),
+    param: str = "prompt",
+) -> GenerationRequest:
     """The engine request for one prompt, once prompt + max_tokens are known to fit in the context.
 
     `max_tokens` None asks for `default_max_tokens`, or for the rest of the context when that is None too.
@@ -69,13 +85,22 @@ def prepare(engine: Any, prompt_ids: list[int], body: Any, *, max_tokens: int | 
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
-        raise APIError(400, f"max_tokens: {max_tokens} new tokens after the prompt's {len(prompt_ids)} exceed the "
-                            f"context of {engine.max_seq_len} tokens; ask for at most {room}",
-                       param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"max_tokens: {max_tokens} new tokens after the prompt's {len(prompt_ids)} exceed the "
+            f"context of {engine.max_seq_len} tokens; ask for at most {room}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     try:
         sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
-        request = GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                                    stop=body.stop + extra_stop, ignore_eos=body.ignore_eos)
+        request = GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=body.stop + extra_stop,
+            ignore_eos=body.ignore_eos,
+        )
         engine.check(request)
     except ValueError as e:  # what the checks above could not know, as the engine words it
         raise APIError(400, str(e), param=param, code="invalid_value") from e

@@ -29,8 +29,11 @@ def usage(handle) -> dict[str, int]:
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_choice(text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
@@ -38,8 +41,12 @@ def completion_choice(text: str, finish_reason: str | None, index: int = 0, logp
 
 
 def chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
 def chat_delta(text: str, finish_reason: str | None) -> dict:
@@ -136,9 +143,14 @@ async def fixed_stream(bodies: list[dict]) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
-async def event_stream(handle, chunk: Callable[[list[dict], dict | None], dict],
-                       choice: Callable[[str, str | None], dict], *, first_choice: dict | None = None,
-                       include_usage: bool = False) -> AsyncIterator[str]:
+async def event_stream(
+    handle,
+    chunk: Callable[[list[dict], dict | None], dict],
+    choice: Callable[[str, str | None], dict],
+    *,
+    first_choice: dict | None = None,
+    include_usage: bool = False,
+) -> AsyncIterator[str]:
     """Server-sent events: one chunk per engine event, an optional usage chunk, then `[DONE]`.
 
     `chunk(choices, usage)` makes an event's body; `choice(text, finish_reason)` one choice in it.
@@ -167,6 +179,20 @@ async def event_stream(handle, chunk: Callable[[list[dict], dict | None], dict],
             handle.cancel()
 
 
-__all__ = ["SSE_HEADERS", "usage", "usage_of", "Reply", "replies_or_hang_up", "scores_or_hang_up", "unless_hung_up",
-           "completion_choice", "chat_choice", "chat_delta", "chat_opening",
-           "reply_or_hang_up", "sse", "event_stream", "fixed_stream"]
+__all__ = [
+    "SSE_HEADERS",
+    "usage",
+    "usage_of",
+    "Reply",
+    "replies_or_hang_up",
+    "scores_or_hang_up",
+    "unless_hung_up",
+    "completion_choice",
+    "chat_choice",
+    "chat_delta",
+    "chat_opening",
+    "reply_or_hang_up",
+    "sse",
+    "event_stream",
+    "fixed_stream",
+]

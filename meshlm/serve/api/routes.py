@@ -76,14 +76,23 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     add_error_handlers(app)
 
     def model_card() -> dict:
-        return {"id": engine.model_name, "object": "model", "created": started, "owned_by": "meshlm",
-                "max_model_len": engine.max_seq_len}
+        return {
+            "id": engine.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "meshlm",
+            "max_model_len": engine.max_seq_len,
+        }
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         compiled, shapes = engine.warmed()  # while shapes remain the server answers, some requests slower
-        return {"status": "ok" if compiled >= shapes else "warming_up", "model": engine.model_name,
-                "shapes_compiled": compiled, "shapes": shapes}
+        return {
+            "status": "ok" if compiled >= shapes else "warming_up",
+            "model": engine.model_name,
+            "shapes_compiled": compiled,
+            "shapes": shapes,
+        }
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -92,8 +101,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
         if model != engine.model_name:
-            raise APIError(404, f"no model {model!r}; this server serves {engine.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"no model {model!r}; this server serves {engine.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return model_card()
 
     @app.post("/v1/completions")
@@ -106,8 +119,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_body_bytes: in
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> FileResponse:
-        return FileResponse(STATIC_DIR / "index.html",
-                            headers={"Content-Security-Policy": "default-src 'self'", "Cache-Control": "no-cache"})
+        return FileResponse(
+            STATIC_DIR / "index.html",
+            headers={"Content-Security-Policy": "default-src 'self'", "Cache-Control": "no-cache"},
+        )
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

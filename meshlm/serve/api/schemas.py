@@ -44,8 +44,10 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise PydanticCustomError("text", f"holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at "
-                                          f"character {e.start}, which is not text") from None
+        raise PydanticCustomError(
+            "text",
+            f"holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}, which is not text",
+        ) from None
     return text
 
 
@@ -77,8 +79,10 @@ def _prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, str):
         return [_unicode(value)]
     if not isinstance(value, list) or not value:
-        raise PydanticCustomError("prompt", "must be a string, a list of strings, a list of token ids or a "
-                                            "list of lists of token ids, and not empty")
+        raise PydanticCustomError(
+            "prompt",
+            "must be a string, a list of strings, a list of token ids or a list of lists of token ids, and not empty",
+        )
     if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return [value]
     if len(value) > MAX_PROMPTS:
@@ -146,5 +150,14 @@ class ChatCompletionBody(GenerationBody):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP)] | None = None
 
 
-__all__ = ["GenerationBody", "CompletionBody", "ChatCompletionBody", "ChatMessage", "StreamOptions", "Text",
-           "MAX_STOP_STRINGS", "MAX_PROMPTS", "MAX_TOP"]
+__all__ = [
+    "GenerationBody",
+    "CompletionBody",
+    "ChatCompletionBody",
+    "ChatMessage",
+    "StreamOptions",
+    "Text",
+    "MAX_STOP_STRINGS",
+    "MAX_PROMPTS",
+    "MAX_TOP",
+]

@@ -33,8 +33,9 @@ def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port, not yet listening. Taken before the model loads and compiles, so
     that a busy port or an unknown host fails at once (UsageError) rather than after minutes of work."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as e:
         raise UsageError(f"--host={host}: not an address this machine can bind ({e.strerror})") from None
     sock = socket.socket(family, kind, proto)
@@ -44,10 +45,14 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRNOTAVAIL:
-            raise UsageError(f"--host={host} is not an address of this machine; use 127.0.0.1 (this machine "
-                             "only) or 0.0.0.0 (every interface)") from None
-        raise UsageError(f"--host={host} --port={port}: cannot listen there ({e.strerror}); "
-                         "choose another --port or stop what holds it") from None
+            raise UsageError(
+                f"--host={host} is not an address of this machine; use 127.0.0.1 (this machine "
+                "only) or 0.0.0.0 (every interface)"
+            ) from None
+        raise UsageError(
+            f"--host={host} --port={port}: cannot listen there ({e.strerror}); "
+            "choose another --port or stop what holds it"
+        ) from None
     return sock
 
 
@@ -72,8 +77,14 @@ class _Server(uvicorn.Server):
             ender.cancel()
 
 
-def make_server(app: FastAPI, *, grace_s: float = 5.0, header_timeout_s: float = HEADER_TIMEOUT_S,
-                body_timeout_s: float = BODY_TIMEOUT_S, **config: Any) -> uvicorn.Server:
+def make_server(
+    app: FastAPI,
+    *,
+    grace_s: float = 5.0,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    **config: Any,
+) -> uvicorn.Server:
     """A uvicorn server for an app from `create_app`; `config` goes to `uvicorn.Config`.
 
     Run it with `server.run(sockets=[bind(host, port)])`. At SIGINT/SIGTERM it stops accepting
@@ -89,15 +100,28 @@ def make_server(app: FastAPI, *, grace_s: float = 5.0, header_timeout_s: float =
     return _Server(config, app.state.end_open_requests, grace_s)
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info", sock: socket.socket | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
-          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+    sock: socket.socket | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> None:
     """Serve `engine` over HTTP until SIGINT or SIGTERM. The engine is the caller's to start and stop.
 
     `sock`, from `bind(host, port)`, is used instead of binding here; the timeouts are `make_server`'s."""
     sock = sock or bind(host, port)
-    server = make_server(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,
-                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s)
+    server = make_server(
+        create_app(engine, api_key=api_key),
+        host=host,
+        port=port,
+        log_level=log_level,
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+    )
     # What is alive now (weights, compiled programs, modules) lives as long as the server: frozen out of
     # the cyclic collector, a full collection no longer walks it, and so no longer stalls the token loop.
     gc.freeze()

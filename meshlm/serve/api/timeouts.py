@@ -52,13 +52,25 @@ class TimedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot parse, as JSON rather than plain text."""
-        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1 (its request line, a header, its "
-                                        "Content-Length or a chunk); send a well-formed HTTP/1.1 request",
-                                   code="invalid_http").body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        body = json.dumps(
+            APIError(
+                400,
+                "the request is not valid HTTP/1.1 (its request line, a header, its "
+                "Content-Length or a chunk); send a well-formed HTTP/1.1 request",
+                code="invalid_http",
+            ).body()
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         try:
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body), h11.EndOfMessage()):
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:  # a reply had already begun: there is nothing left to say
             pass
@@ -93,8 +105,11 @@ class TimedH11Protocol(H11Protocol):
 
 def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S) -> type:
     """A `TimedH11Protocol` class with these deadlines, for `uvicorn.Config(http=...)`."""
-    return type("TimedH11Protocol", (TimedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+    return type(
+        "TimedH11Protocol",
+        (TimedH11Protocol,),
+        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+    )
 
 
 __all__ = ["TimedH11Protocol", "timed_protocol", "HEADER_TIMEOUT_S", "BODY_TIMEOUT_S"]

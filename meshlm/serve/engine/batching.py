@@ -49,10 +49,21 @@ class Engine:
     name, chat_template); the engine takes its weights over. `warm_scorer`: warm-up also compiles the
     log-probability Scorer's smallest bucket (never across processes, where it is not available)."""
 
-    def __init__(self, model: Any, *, max_batch: int = 8, max_seq_len: int | None = None,
-                 prefill_buckets: tuple[int, ...] | None = None, prefill_batch: int | None = None, link=None,
-                 warm_scorer: bool = True, max_queue: int | None = None, max_request_tokens: int = MAX_REQUEST_TOKENS,
-                 max_logprobs: int = MAX_LOGPROBS, score_chunk_tokens: int = SCORE_CHUNK_TOKENS):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int = 8,
+        max_seq_len: int | None = None,
+        prefill_buckets: tuple[int, ...] | None = None,
+        prefill_batch: int | None = None,
+        link=None,
+        warm_scorer: bool = True,
+        max_queue: int | None = None,
+        max_request_tokens: int = MAX_REQUEST_TOKENS,
+        max_logprobs: int = MAX_LOGPROBS,
+        score_chunk_tokens: int = SCORE_CHUNK_TOKENS,
+    ):
         placement = model.placement
         self.model = model
         self.tokenizer = model.tokenizer
@@ -60,8 +71,12 @@ class Engine:
         self.chat_template = model.chat_template
         self.mesh = placement.mesh
         self.shapes = plan_shapes(
-            model.cfg.max_seq_len, max_batch=max_batch, max_seq_len=max_seq_len, prefill_buckets=prefill_buckets,
-            prefill_batch=prefill_batch, data=sharding.data_parallel_size(self.mesh, placement.strategy),
+            model.cfg.max_seq_len,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            prefill_buckets=prefill_buckets,
+            prefill_batch=prefill_batch,
+            data=sharding.data_parallel_size(self.mesh, placement.strategy),
             sp=sharding.sequence_parallel_size(self.mesh, placement.strategy),
         )
         self.max_batch, self.max_seq_len = self.shapes.max_batch, self.shapes.max_seq_len
@@ -83,8 +98,11 @@ class Engine:
         self.stats = collections.Counter()
         self._link = link  # multihost.Leader in process 0, Follower elsewhere; None for one process
         self._scorer = None
-        score = None if link is not None or not warm_scorer else (sharding.data_parallel_size(self.mesh, placement.strategy),
-                                                min(32, self.max_seq_len))  # the Scorer's smallest bucket
+        score = (
+            None
+            if link is not None or not warm_scorer
+            else (sharding.data_parallel_size(self.mesh, placement.strategy), min(32, self.max_seq_len))
+        )  # the Scorer's smallest bucket
         self._plan = plan(self.shapes, score)  # every shape to compile, most needed first
         self._compiled: set[tuple] = set()  # the shapes of the plan compiled so far
         self._background = False  # the loop compiles the shapes still missing when idle
@@ -116,11 +134,15 @@ class Engine:
         if not isinstance(request.max_tokens, int) or request.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
         if n > self.buckets[-1]:
-            raise ValueError(f"the prompt has {n} tokens but the longest prompt this server takes is {self.buckets[-1]}")
+            raise ValueError(
+                f"the prompt has {n} tokens but the longest prompt this server takes is {self.buckets[-1]}"
+            )
         if n + request.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
-                             f"{self.max_seq_len} tokens; shorten the prompt or lower max_tokens to "
-                             f"{max(self.max_seq_len - n, 0)}")
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
+                f"{self.max_seq_len} tokens; shorten the prompt or lower max_tokens to "
+                f"{max(self.max_seq_len - n, 0)}"
+            )
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -218,8 +240,14 @@ class Engine:
         if progress is not None:
             progress(*self.warmed(), None)
         seconds = time.perf_counter() - t0
-        log.info("compiled %d of %d shapes (prefill buckets %s, decode steps for %s rows × %s cache slots) in %.1f s",
-                 *self.warmed(), self.buckets, self.decode_rows, self.decode_lengths, seconds)
+        log.info(
+            "compiled %d of %d shapes (prefill buckets %s, decode steps for %s rows × %s cache slots) in %.1f s",
+            *self.warmed(),
+            self.buckets,
+            self.decode_rows,
+            self.decode_lengths,
+            seconds,
+        )
         return seconds
 
     def warmed(self) -> tuple[int, int]:
@@ -328,7 +356,7 @@ class Engine:
                     self._finish(h, "cancelled")
             if not group:
                 return
-            self._prefill_group(group, free[:len(group)])
+            self._prefill_group(group, free[: len(group)])
 
     def _score_next(self) -> None:
         """Score one chunk of the scoring request whose turn it is (finishing cancelled ones first)."""
@@ -357,7 +385,7 @@ class Engine:
         lengths = np.ones(Bp, np.int32)
         slot_ids = np.full(Bp, self.max_batch, np.int32)
         for row, (h, slot) in enumerate(zip(group, slots)):
-            tokens[row, :h.prompt_tokens] = h.request.prompt_ids
+            tokens[row, : h.prompt_tokens] = h.request.prompt_ids
             lengths[row], slot_ids[row] = h.prompt_tokens, slot
         params = [h.request.sampling for h in group] + [SamplingParams(temperature=0.0)] * (Bp - len(group))
         settings = SlotSampling.host(params, [self._seed_rng.getrandbits(32) for _ in params])
@@ -418,7 +446,7 @@ class Engine:
         h._held += piece
         if start is None:
             return False
-        h._held = h._held[:max(0, len(h._held) - (h._stops.fed - start))]
+        h._held = h._held[: max(0, len(h._held) - (h._stops.fed - start))]
         self._finish(h, "stop", token=token, text=h._held)
         return True
 

@@ -140,8 +140,10 @@ class Follower:
                 if not _is_timeout(e):
                     raise
             if self.deadline is not None and time.monotonic() > self.deadline:
-                raise TimeoutError(f"asked to stop, but process 0 did not stop within {STOP_GRACE_S:g} s; "
-                                   "stop process 0 (it stops the others)")
+                raise TimeoutError(
+                    f"asked to stop, but process 0 did not stop within {STOP_GRACE_S:g} s; "
+                    "stop process 0 (it stops the others)"
+                )
         self._next = n + 1
         if n % BLOCK == BLOCK - 1:  # every step of this block is read: process 0 may delete it
             self._client.key_value_set(f"{ACK_PREFIX}{self.pid}", str(n + 1), allow_overwrite=True)
@@ -159,8 +161,12 @@ def signals_wait_for_leader(follower: Follower | None, grace_s: float = STOP_GRA
     def handle(signum, _frame):
         if follower.deadline is None:
             follower.deadline = time.monotonic() + grace_s
-            print(f"process {follower.pid}: {signal.Signals(signum).name}: waiting up to {grace_s:g} s for "
-                  "process 0 to stop", file=sys.stderr, flush=True)
+            print(
+                f"process {follower.pid}: {signal.Signals(signum).name}: waiting up to {grace_s:g} s for "
+                "process 0 to stop",
+                file=sys.stderr,
+                flush=True,
+            )
 
     previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -192,4 +198,14 @@ def share(name: str, value: str | None, timeout_s: float) -> str:
     return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))).decode("utf-8")
 
 
-__all__ = ["Leader", "Follower", "Step", "link", "share", "signals_wait_for_leader", "encode_prefill", "encode_decode", "decode_step"]
+__all__ = [
+    "Leader",
+    "Follower",
+    "Step",
+    "link",
+    "share",
+    "signals_wait_for_leader",
+    "encode_prefill",
+    "encode_decode",
+    "decode_step",
+]

@@ -42,8 +42,10 @@ class WorkQueue:
 
     def _check_room(self, n: int) -> None:
         if self.max_queue is not None and (waiting := len(self)) + n > self.max_queue:
-            raise QueueFull(f"the server is busy: {waiting} prompts are waiting and this request brings {n}, over "
-                            f"the queue's {self.max_queue} (--max_queue); retry in a moment")
+            raise QueueFull(
+                f"the server is busy: {waiting} prompts are waiting and this request brings {n}, over "
+                f"the queue's {self.max_queue} (--max_queue); retry in a moment"
+            )
 
     def take_prompts(self, n: int, held: collections.Counter) -> tuple[list[RequestHandle], list[RequestHandle]]:
         """(up to `n` requests for free slots, fairly given `held`: slots per submission; the cancelled

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-SEED_RANGE = (-2**63, 2**63)  # OpenAI's: a signed 64-bit integer
+SEED_RANGE = (-(2**63), 2**63)  # OpenAI's: a signed 64-bit integer
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -39,7 +39,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -70,8 +72,12 @@ class SlotSampling(NamedTuple):
 
     @staticmethod
     def empty(batch: int) -> SlotSampling:
-        return SlotSampling(np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
-                            np.zeros((batch, 2), np.uint32))
+        return SlotSampling(
+            np.zeros(batch, np.float32),
+            np.zeros(batch, np.int32),
+            np.ones(batch, np.float32),
+            np.zeros((batch, 2), np.uint32),
+        )
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -48,7 +48,7 @@ class Scores:
 
     def total(self, start: int = 1) -> float:
         """The log-probability of tokens[start:] given tokens[:start] (start >= 1)."""
-        return float(np.sum(self.logprobs[max(start, 1):], dtype=np.float64))
+        return float(np.sum(self.logprobs[max(start, 1) :], dtype=np.float64))
 
 
 class Scorer:
@@ -84,8 +84,7 @@ class Scorer:
     @classmethod
     def from_engine(cls, engine: Any) -> Scorer:
         """For the weights a running `Engine` holds, sequences up to its context, its `max_batch` rows."""
-        return cls(engine.steps.placement, engine.steps.params, max_len=engine.max_seq_len,
-                   max_batch=engine.max_batch)
+        return cls(engine.steps.placement, engine.steps.params, max_len=engine.max_seq_len, max_batch=engine.max_batch)
 
     def compiled_shapes(self) -> int:
         return self._forward._cache_size()
@@ -109,7 +108,7 @@ class Scorer:
         out: list[Scores] = []
         biggest = self.row_buckets[-1]
         for at in range(0, len(sequences), biggest):
-            out += self.score_chunk([list(map(int, s)) for s in sequences[at:at + biggest]], top)
+            out += self.score_chunk([list(map(int, s)) for s in sequences[at : at + biggest]], top)
         return out
 
     def bucket(self, group: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -124,8 +123,11 @@ class Scorer:
         groups: list[list[int]] = []
         for i in order:
             group = groups[-1] + [i] if groups else None
-            if group is not None and len(group) <= self.row_buckets[-1] and (
-                    math.prod(self.bucket([sequences[j] for j in group])) <= max_tokens):
+            if (
+                group is not None
+                and len(group) <= self.row_buckets[-1]
+                and (math.prod(self.bucket([sequences[j] for j in group])) <= max_tokens)
+            ):
                 groups[-1] = group
             else:
                 groups.append([i])
@@ -146,18 +148,27 @@ class Scorer:
         rows, length = self.bucket(group)
         tokens = np.zeros((rows, length), np.int32)
         for i, seq in enumerate(group):
-            tokens[i, :len(seq)] = seq
+            tokens[i, : len(seq)] = seq
         with self._lock:  # one forward at a time: they would only compete for the same devices
             picked, ids, values = jax.device_get(self._forward(self.params, tokens))
         out = []
         for i, seq in enumerate(group):
             n = len(seq)
-            logprobs = np.concatenate([[np.nan], picked[i, :n - 1]]).astype(np.float32)
-            top_ids = np.concatenate([np.full((1, top), -1, np.int32), ids[i, :n - 1, :top]])
-            top_lp = np.concatenate([np.full((1, top), np.nan, np.float32), values[i, :n - 1, :top]])
-            greedy = np.concatenate([[False], ids[i, :n - 1, 0] == np.asarray(seq[1:], np.int32)])
-            out.append(Scores(np.asarray(seq, np.int32), logprobs, top_ids, top_lp, greedy,
-                              ids[i, n - 1, :top].copy(), values[i, n - 1, :top].copy()))
+            logprobs = np.concatenate([[np.nan], picked[i, : n - 1]]).astype(np.float32)
+            top_ids = np.concatenate([np.full((1, top), -1, np.int32), ids[i, : n - 1, :top]])
+            top_lp = np.concatenate([np.full((1, top), np.nan, np.float32), values[i, : n - 1, :top]])
+            greedy = np.concatenate([[False], ids[i, : n - 1, 0] == np.asarray(seq[1:], np.int32)])
+            out.append(
+                Scores(
+                    np.asarray(seq, np.int32),
+                    logprobs,
+                    top_ids,
+                    top_lp,
+                    greedy,
+                    ids[i, n - 1, :top].copy(),
+                    values[i, n - 1, :top].copy(),
+                )
+            )
         return out
 
     def _forward_fn(self, params, tokens):

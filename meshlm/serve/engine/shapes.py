@@ -62,8 +62,16 @@ class Shapes:
         return rows, next((n for n in self.decode_lengths if n >= reach), self.decode_lengths[-1])
 
 
-def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | None,
-                prefill_buckets: tuple[int, ...] | None, prefill_batch: int | None, data: int, sp: int) -> Shapes:
+def plan_shapes(
+    model_max_seq_len: int,
+    *,
+    max_batch: int,
+    max_seq_len: int | None,
+    prefill_buckets: tuple[int, ...] | None,
+    prefill_batch: int | None,
+    data: int,
+    sp: int,
+) -> Shapes:
     """The shapes for these settings, or a UsageError that names the fix. `data` is the data-parallel
     size (rows split that many ways), `sp` the sequence-parallel size (prompts split that many ways)."""
     context = int(max_seq_len or min(model_max_seq_len, 2048))
@@ -73,8 +81,10 @@ def plan_shapes(model_max_seq_len: int, *, max_batch: int, max_seq_len: int | No
     buckets = tuple(sorted(prefill_buckets or length_buckets(context)))
     for n in buckets:
         if n < 1 or n > context:
-            raise UsageError(f"--prefill_buckets: length {n} must be between 1 and the context, --max_seq_len={context}; "
-                             "drop it or raise --max_seq_len")
+            raise UsageError(
+                f"--prefill_buckets: length {n} must be between 1 and the context, --max_seq_len={context}; "
+                "drop it or raise --max_seq_len"
+            )
     pieces = "the sequence-parallel ranks each take two equal pieces of it"
     if sp > 1 and context % (2 * sp):
         raise UsageError(f"--max_seq_len={context} must be divisible by 2×sp = {2 * sp}: {pieces}")

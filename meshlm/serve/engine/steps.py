@@ -42,10 +42,13 @@ def split_layers(params: dict, shardings: dict) -> tuple[dict, tuple[dict, ...]]
     copy on CPU, which multiplies the weight traffic of a step). Done once, on the devices, layer by layer."""
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
-    one = jax.tree.map(lambda sh: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:])),
-                       shardings["layers"])
-    take = jax.jit(lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree),
-                   out_shardings=one)
+    one = jax.tree.map(
+        lambda sh: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:])), shardings["layers"]
+    )
+    take = jax.jit(
+        lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree),
+        out_shardings=one,
+    )
     layers = tuple(take(stacked, np.int32(i)) for i in range(n))
     return {k: v for k, v in params.items() if k != "layers"}, layers
 
@@ -70,10 +73,19 @@ class Steps:
         state_sh = jax.tree.map(lambda a: a.sharding, self.state)
         params_sh = jax.tree.map(lambda a: a.sharding, self.params)
         rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), in_shardings=(params_sh, state_sh, rep, rep, rep, rep),
-                                out_shardings=(state_sh, rep))
-        self._decode = jax.jit(self._decode_fn, static_argnums=(2, 3), donate_argnums=(1,),
-                               in_shardings=(params_sh, state_sh), out_shardings=(state_sh, rep))
+        self._prefill = jax.jit(
+            self._prefill_fn,
+            donate_argnums=(1,),
+            in_shardings=(params_sh, state_sh, rep, rep, rep, rep),
+            out_shardings=(state_sh, rep),
+        )
+        self._decode = jax.jit(
+            self._decode_fn,
+            static_argnums=(2, 3),
+            donate_argnums=(1,),
+            in_shardings=(params_sh, state_sh),
+            out_shardings=(state_sh, rep),
+        )
 
     # ------------------------------------------------------------------------ running the steps
 
@@ -103,13 +115,18 @@ class Steps:
         small = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
         def zeros():
-            return jax.jit(lambda: jnp.zeros((B, S, heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
-                           out_shardings=cache)()
+            return jax.jit(lambda: jnp.zeros((B, S, heads, cfg.head_dim), jnp.dtype(cfg.dtype)), out_shardings=cache)()
 
         host = (np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32), SlotSampling.empty(B))
         tokens, positions, counts, sampling = jax.device_put(host, small)
-        return DecodeState(tuple(zeros() for _ in range(cfg.n_layers)), tuple(zeros() for _ in range(cfg.n_layers)),
-                           tokens, positions, counts, sampling)
+        return DecodeState(
+            tuple(zeros() for _ in range(cfg.n_layers)),
+            tuple(zeros() for _ in range(cfg.n_layers)),
+            tokens,
+            positions,
+            counts,
+            sampling,
+        )
 
     def _prefill_fn(self, params, state: DecodeState, tokens, lengths, slots, settings: SlotSampling):
         """Run padded prompts [Bp, P], write their keys/values into cache rows `slots`, sample first tokens."""
@@ -121,7 +138,8 @@ class Steps:
         cache_k = tuple(c.at[slots, :P].set(k[i].astype(c.dtype), mode="drop") for i, c in enumerate(state.cache_k))
         cache_v = tuple(c.at[slots, :P].set(v[i].astype(c.dtype), mode="drop") for i, c in enumerate(state.cache_v))
         new = DecodeState(
-            cache_k, cache_v,
+            cache_k,
+            cache_v,
             _scatter_rows(state.tokens, slots, first),
             _scatter_rows(state.positions, slots, lengths),
             _scatter_rows(state.counts, slots, jnp.ones_like(lengths)),
@@ -143,14 +161,23 @@ class Steps:
         (the rest of the state stays as it is). The tokens [rows] are returned."""
         with self._activate(decoding=True):
             logits, cache_k, cache_v = self._merge(params).decode(
-                state.tokens[:rows, None], state.positions[:rows, None], state.cache_k, state.cache_v,
-                layers=params[1], length=length,
+                state.tokens[:rows, None],
+                state.positions[:rows, None],
+                state.cache_k,
+                state.cache_v,
+                layers=params[1],
+                length=length,
             )
         nxt = sample(logits[:, 0], SlotSampling(*(a[:rows] for a in state.sampling)), state.counts[:rows])
         last = self.max_seq_len - 1  # idle slots run on harmlessly; keep their writes inside the cache
-        new = DecodeState(cache_k, cache_v, state.tokens.at[:rows].set(nxt),
-                          state.positions.at[:rows].set(jnp.minimum(state.positions[:rows] + 1, last)),
-                          state.counts.at[:rows].add(1), state.sampling)
+        new = DecodeState(
+            cache_k,
+            cache_v,
+            state.tokens.at[:rows].set(nxt),
+            state.positions.at[:rows].set(jnp.minimum(state.positions[:rows] + 1, last)),
+            state.counts.at[:rows].add(1),
+            state.sampling,
+        )
         return new, nxt
 
 

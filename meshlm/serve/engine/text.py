@@ -32,29 +32,29 @@ class IncrementalText:
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        now = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        now = self.tokenizer.decode(self.ids[self._prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
             self._prefix, self._read = self._read, len(self.ids)
-            return now[len(before):]
+            return now[len(before) :]
         if len(self.ids) - self._read > 8:  # never settles this way (a tokenizer that rewrites earlier text)
             self._prefix, self._read = self._read, len(self.ids)
-            return now[len(before):] if now.startswith(before) else now
+            return now[len(before) :] if now.startswith(before) else now
         return ""
 
     @property
     def unsettled(self) -> list[int]:
         """The tokens whose text is not settled yet (at most a few)."""
-        return self.ids[self._read:]
+        return self.ids[self._read :]
 
     def flush(self) -> str:
         """The text of the tokens not settled yet (an incomplete character shows as U+FFFD)."""
         if self._read == len(self.ids):
             return ""
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        now = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        now = self.tokenizer.decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return now[len(before):] if now.startswith(before) else now
+        return now[len(before) :] if now.startswith(before) else now
 
 
 class _Automaton:

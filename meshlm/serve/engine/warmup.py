@@ -37,8 +37,9 @@ FIRST = 2  # shapes compiled before a server takes requests: the shortest prefil
 def plan(shapes: Shapes, score: tuple[int, int] | None = None) -> list[tuple]:
     """Every shape of `shapes` (and the Scorer's `score` = (rows, length) when given), most needed first."""
     prefill = [("prefill", n) for n in shapes.prefill_lengths]
-    decode = sorted((("decode", r, n) for r in shapes.decode_rows for n in shapes.decode_lengths),
-                    key=lambda s: (s[2], s[1]))
+    decode = sorted(
+        (("decode", r, n) for r in shapes.decode_rows for n in shapes.decode_lengths), key=lambda s: (s[2], s[1])
+    )
     rest = [s for pair in itertools.zip_longest(decode[1:], prefill[1:]) for s in pair if s is not None]
     return [prefill[0], decode[0], *rest] + ([("score", *score)] if score else [])
 
@@ -51,8 +52,12 @@ def run_padding(engine: Any, shape: tuple, publish: bool) -> None:
     try:
         if kind == "prefill":
             Bp = engine.prefill_batch
-            args = (np.zeros((Bp, dims[0]), np.int32), np.ones(Bp, np.int32),
-                    np.full(Bp, engine.max_batch, np.int32), SlotSampling.empty(Bp))  # every row is padding
+            args = (
+                np.zeros((Bp, dims[0]), np.int32),
+                np.ones(Bp, np.int32),
+                np.full(Bp, engine.max_batch, np.int32),
+                SlotSampling.empty(Bp),
+            )  # every row is padding
             if link is not None:
                 link.prefill(*args)
             jax.block_until_ready(engine.steps.prefill(*args))
@@ -95,9 +100,17 @@ class WarmupProgress:
         )
 
         self.console, self.on_done = console, on_done
-        self._progress = Progress(TextColumn("compiling shapes"), BarColumn(bar_width=BAR), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                  TextColumn("[dim]{task.description}[/dim]"), console=console, transient=False)
+        self._progress = Progress(
+            TextColumn("compiling shapes"),
+            BarColumn(bar_width=BAR),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("[dim]{task.description}[/dim]"),
+            console=console,
+            transient=False,
+        )
         self._task = None
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -113,7 +126,7 @@ class WarmupProgress:
                 self._task = self._progress.add_task("", total=total)
             now = describe(compiling) if compiling is not None else ""
             room = self.console.width - FIXED  # a narrow terminal cuts the shape's name, not the counts
-            now = now if len(now) <= room else now[:max(room - 1, 0)] + "…" * (room > 0)
+            now = now if len(now) <= room else now[: max(room - 1, 0)] + "…" * (room > 0)
             self._progress.update(self._task, completed=done, total=total, description=now)
             finished = done >= total
             if finished:

@@ -9,8 +9,16 @@ from meshlm.train.trainable import Trainable
 
 
 class CheckpointHook(Hook):
-    def __init__(self, checkpointer: Checkpointer, trainable: Trainable, loader, meta: dict, stop, first_step: int,
-                 total_steps: int):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        trainable: Trainable,
+        loader,
+        meta: dict,
+        stop,
+        first_step: int,
+        total_steps: int,
+    ):
         self.checkpointer, self.trainable, self.loader, self.meta = checkpointer, trainable, loader, meta
         self.stop, self.total_steps = stop, total_steps
         self.saved_at = first_step - 1  # the newest step saved (the one the run started from)

@@ -15,8 +15,17 @@ from meshlm.train.trainable import Trainable
 
 
 class EvaluationHook(Hook):
-    def __init__(self, evaluator: Evaluator, due, trainable: Trainable, logger: MetricsLogger, clock: StepClock,
-                 stop, console, is_main: bool):
+    def __init__(
+        self,
+        evaluator: Evaluator,
+        due,
+        trainable: Trainable,
+        logger: MetricsLogger,
+        clock: StepClock,
+        stop,
+        console,
+        is_main: bool,
+    ):
         self.evaluator, self.due, self.trainable, self.logger, self.clock = evaluator, due, trainable, logger, clock
         self.stop, self.console, self.is_main = stop, console, is_main
         self.evals: list[dict] = []

@@ -28,8 +28,16 @@ class StepClock:
 
 
 class LogHook(Hook):
-    def __init__(self, logger: MetricsLogger, progress: TrainProgress, clock: StepClock, log_every: int,
-                 total_steps: int, console, is_main: bool):
+    def __init__(
+        self,
+        logger: MetricsLogger,
+        progress: TrainProgress,
+        clock: StepClock,
+        log_every: int,
+        total_steps: int,
+        console,
+        is_main: bool,
+    ):
         self.logger, self.progress, self.clock, self.console, self.is_main = logger, progress, clock, console, is_main
         self.log_every, self.total_steps = log_every, total_steps
         self.history: list[dict] = []
@@ -42,7 +50,9 @@ class LogHook(Hook):
         host = jax.device_get(end.metrics)  # the only host sync: once per log step
         now = time.perf_counter()
         row = self.logger.log(  # the first step's time is the compile: its throughput is honest, not useful
-            end.step, loss=float(host["loss"]), tokens=clock.tokens_per_step if end.first else clock.tokens_since,
+            end.step,
+            loss=float(host["loss"]),
+            tokens=clock.tokens_per_step if end.first else clock.tokens_since,
             seconds=clock.compile_seconds if end.first else max(now - clock.t_last, 1e-9),
             extra={"lr": float(host.get("lr", 0.0)), "grad_norm": float(host["grad_norm"])},
         )

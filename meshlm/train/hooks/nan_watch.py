@@ -15,7 +15,13 @@ class NanWatchHook(Hook):
     too, so no checkpoint holds a step that went NaN)."""
 
     def __init__(self, watch: NonFiniteWatch, checkpoints: CheckpointHook, log_every: int, out: Path, console):
-        self.watch, self.checkpoints, self.log_every, self.out, self.console = watch, checkpoints, log_every, out, console
+        self.watch, self.checkpoints, self.log_every, self.out, self.console = (
+            watch,
+            checkpoints,
+            log_every,
+            out,
+            console,
+        )
         self.diverged: NonFinite | None = None
 
     def after_step(self, end: StepEnd) -> bool:
