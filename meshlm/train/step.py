@@ -32,8 +32,9 @@ from meshlm.models.pipelined import pipelined_loss_and_grads
 from meshlm.models.placement import Placement
 from meshlm.ops.pipeline import Schedule
 from meshlm.train.state import TrainState, state_shardings
-from meshlm.train.trainable import Trainable, trained_by
+from meshlm.train.trainable import Trainable, model_loss_sums, trained_by
 
+loss_sums = model_loss_sums  # the training loss of every path: evaluation and the tests take it from here
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
