@@ -3,20 +3,13 @@
     total, count = token_loss_sums(logits, targets, loss_mask)        # from logits already computed
     total, count = head_loss_sums(x, weights, targets, loss_mask, chunk=1024)  # from the final stream
 
-Every training path (plain, gradient accumulation, ZeRO shards, pipeline stages) computes its loss with
-`head_loss_sums` (through `Llama.head_loss`); the mean loss is total / count.
-
 `head_loss_sums` never holds float32 logits of the whole batch. The output projection (compute-dtype
 operands, float32 logits, compute-dtype matmuls for the gradients) runs one chunk of sequence positions
 at a time inside a `lax.scan`, and only one chunk's [B, chunk, V] logits are alive at once. Under
 differentiation each chunk's gradients are computed with its logits, in the same pass (see
 `_chunked_fwd`), so the logits are computed once per step and never kept.
-
-Chunk i holds positions i, i + n, i + 2n, ... of every row (n chunks). A sequence split over sp is
-split in contiguous blocks, so each device's own positions fall evenly into every chunk: a chunk keeps
-the layout of the whole (batch over the data axes, length over sp, vocab over tp) and every device
-works on every chunk. Which positions share a chunk does not matter to a sum over tokens, so the zigzag
-order of a ring changes nothing.
+Chunk i holds positions i, i + n, i + 2n, ... of every row (n chunks), so a chunk keeps the layout of
+the whole (batch over the data axes, length over sp, vocab over tp) and every device works on each.
 """
 
 from __future__ import annotations

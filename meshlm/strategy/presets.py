@@ -1,8 +1,7 @@
 """Named strategies: each one logical-axis table, in this one place (`--strategy=NAME`).
 
-A table maps the model's logical axes to the mesh axes (dp, fsdp, tp, sp, and pp outside them),
-once for parameters and once for activations. Mesh axes of size 1 drop out, so every preset runs on
-every mesh; a preset only decides what each mesh axis is *for*:
+A table maps logical axes to mesh axes, for parameters and for activations. Mesh axes of size 1 drop
+out, so every preset runs on every mesh; a preset decides what each mesh axis is *for*:
 
     preset        weights' embed   heads/kv/mlp/vocab   batch             length
     default       fsdp, sp         tp                   dp, fsdp          sp (RingAttention)
@@ -13,8 +12,7 @@ every mesh; a preset only decides what each mesh axis is *for*:
     megatron_sp   —                tp                   dp, fsdp, sp      tp between tp regions
     fsdp_sp       fsdp, sp         —                    dp, fsdp          sp (RingAttention)
 
-In every preset the stacked `layers` axis goes over pp (pipeline stages), and `head_dim` and a LoRA
-adapter's `lora_rank` stay whole (an adapter shards like its weight on the other axes).
+In every preset `layers` goes over pp; `head_dim` and `lora_rank` stay whole.
 """
 
 from __future__ import annotations

@@ -11,11 +11,8 @@
     range = [0, 15]
     strategy = "dp"
 
-Parameter paths are the parameter tree's keys joined by `/` (`layers/mlp/gate`; with `[[layers]]`
-groups `layers/0-15/mlp/gate`), searched with `re.search`. A spec has one entry per dimension of the
-stored array (`""` or `[]` for whole); it sets the gradient's and optimizer state's layout too. A rule
-that matches nothing or never applies, overlapping ranges, and a spec that repeats or does not divide
-are one-line `UsageError`s. docs/strategies.md ("The rules file") has the whole format.
+Paths are the tree's keys joined by `/`, searched with `re.search`; mistakes are one-line `UsageError`s.
+docs/strategies.md ("The rules file") has the whole format.
 """
 
 from __future__ import annotations

@@ -6,14 +6,11 @@
     2       replicated   sharded     sharded           4Ψ + 12Ψ/N
     3       sharded      sharded     sharded           16Ψ/N
 
-(Ψ parameters, N devices over the data axes. The ZeRO paper's 16Ψ → 4Ψ+12Ψ/N → 2Ψ+14Ψ/N → 16Ψ/N is
-for fp16 parameters and gradients with an fp32 master copy; meshlm keeps fp32 parameters and no copy.)
+(Ψ parameters, N devices over the data axes; fp32 parameters and no master copy, unlike the paper.)
 
-"Sharded" means the weights' `embed` dimension goes over the data axes (in front of whatever the
-table already put there, e.g. sp); "replicated" means no dimension uses a data axis. Stages 0–2 combine
-the gradients in one explicit collective over the data axes (`meshlm.train.step`): an all-reduce for
-0 and 1, a reduce-scatter for 2. Stage 3 leaves the collectives to XLA (all-gather of each layer's
-weights, reduce-scatter of its gradients).
+"Sharded": the weights' `embed` dimension goes over the data axes. Stages 0–2 combine gradients in one
+explicit collective (all-reduce for 0 and 1, reduce-scatter for 2; `meshlm.train.step`); stage 3 leaves
+the collectives to XLA.
 """
 
 from __future__ import annotations
