@@ -280,7 +280,7 @@ def pipeline_value_and_grad(
 def _rank_program(first_fn, stage_fn, head_fn, schedule: Schedule, axis: str):
     """The program one pp rank runs inside `pipeline_value_and_grad`'s shard_map: the schedule's
     clocks as scans, then the loss and the gradients summed over `axis`."""
-    pp, S = schedule.pp, schedule.pp * schedule.virtual
+    pp = schedule.pp
     A, C = schedule.act_slots, schedule.cot_slots
     fwd_perm = [(r, (r + 1) % pp) for r in range(pp)]
     bwd_perm = [(r, (r - 1) % pp) for r in range(pp)]
@@ -290,44 +290,7 @@ def _rank_program(first_fn, stage_fn, head_fn, schedule: Schedule, axis: str):
         fwd_t, bwd_t, recv_a, recv_c = fwd_t[:, 0], bwd_t[:, 0], recv_a[:, 0], recv_c[:, 0]
         probe = jax.eval_shape(first_fn, first, jax.tree.map(lambda a: a[0], side_))
         h_shape, dtype = probe.shape, probe.dtype
-
-        def stage_at(v):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
-
-        def side_at(i):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), side_)
-
-        def stage_input(fp, k, s_i, stashed):
-            return jnp.where(k == 0, first_fn(fp, s_i).astype(dtype), stashed)
-
-        def forward(carry, row):
-            acts, cots, g, gf, gh, loss = carry
-            active, k, i, aslot, _ = (row[j] for j in range(5))
-            s_i = side_at(i)
-            y = stage_fn(stage_at(k // pp), stage_input(first, k, s_i, acts[aslot]), s_i)
-            return (acts, cots, g, gf, gh, loss), y
-
-        def backward(carry, row):
-            acts, cots, g, gf, gh, loss = carry
-            active, k, i, aslot, cslot = (row[j] for j in range(5))
-            v, s_i, last = k // pp, side_at(i), (k == S - 1)
-            cot = jax.lax.stop_gradient(cots[cslot])
-
-            def objective(fp, p, hp, x):  # the last stage's loss, or the pull-back of the next stage's cotangent
-                y = stage_fn(p, stage_input(fp, k, s_i, x), s_i)
-                out = head_fn(hp, y, s_i).astype(jnp.float32)
-                pulled = jnp.vdot(y.astype(jnp.float32), cot.astype(jnp.float32))
-                return jnp.where(last, out, pulled), out
-
-            (_, out), (df, dp, dh, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True)(
-                first, stage_at(v), head, acts[aslot]
-            )
-            on = active == 1
-            g = jax.tree.map(lambda G, d: jnp.where(on, G.at[v].add(d.astype(G.dtype)), G), g, dp)
-            gf = jax.tree.map(lambda G, d: jnp.where(on & (k == 0), G + d.astype(G.dtype), G), gf, df)
-            gh = jax.tree.map(lambda G, d: jnp.where(on & last, G + d.astype(G.dtype), G), gh, dh)
-            loss = jnp.where(on & last, loss + out, loss)
-            return (acts, cots, g, gf, gh, loss), dx.astype(dtype)
+        forward, backward = _stage_steps(first_fn, stage_fn, head_fn, schedule, first, params, head, side_, dtype)
 
         def clock(kind):
             def run(carry, t):  # compute first, then deliver: an arrival may reuse a slot read this clock
@@ -360,3 +323,51 @@ def _rank_program(first_fn, stage_fn, head_fn, schedule: Schedule, axis: str):
         return jax.lax.psum(loss, axis), jax.tree.map(summed, gf, first), g, jax.tree.map(summed, gh, head)
 
     return per_rank
+
+
+def _stage_steps(first_fn, stage_fn, head_fn, schedule: Schedule, first, params, head, side_, dtype):
+    """`_rank_program`'s forward and backward of one stage in a clock, each `(carry, row) -> (carry, out)`
+    over the carry (stashed inputs, cotangents, stage/first/head gradients, loss) and a row of the
+    schedule's tables: the forward returns the stage's output, the backward the cotangent of its input.
+    `params`: this rank's virtual stages ([V, ...]); `dtype`: the stream's."""
+    pp, S = schedule.pp, schedule.pp * schedule.virtual
+
+    def stage_at(v):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, keepdims=False), params)
+
+    def side_at(i):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), side_)
+
+    def stage_input(fp, k, s_i, stashed):
+        return jnp.where(k == 0, first_fn(fp, s_i).astype(dtype), stashed)
+
+    def forward(carry, row):
+        acts, cots, g, gf, gh, loss = carry
+        active, k, i, aslot, _ = (row[j] for j in range(5))
+        s_i = side_at(i)
+        y = stage_fn(stage_at(k // pp), stage_input(first, k, s_i, acts[aslot]), s_i)
+        return (acts, cots, g, gf, gh, loss), y
+
+    def backward(carry, row):
+        acts, cots, g, gf, gh, loss = carry
+        active, k, i, aslot, cslot = (row[j] for j in range(5))
+        v, s_i, last = k // pp, side_at(i), (k == S - 1)
+        cot = jax.lax.stop_gradient(cots[cslot])
+
+        def objective(fp, p, hp, x):  # the last stage's loss, or the pull-back of the next stage's cotangent
+            y = stage_fn(p, stage_input(fp, k, s_i, x), s_i)
+            out = head_fn(hp, y, s_i).astype(jnp.float32)
+            pulled = jnp.vdot(y.astype(jnp.float32), cot.astype(jnp.float32))
+            return jnp.where(last, out, pulled), out
+
+        (_, out), (df, dp, dh, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True)(
+            first, stage_at(v), head, acts[aslot]
+        )
+        on = active == 1
+        g = jax.tree.map(lambda G, d: jnp.where(on, G.at[v].add(d.astype(G.dtype)), G), g, dp)
+        gf = jax.tree.map(lambda G, d: jnp.where(on & (k == 0), G + d.astype(G.dtype), G), gf, df)
+        gh = jax.tree.map(lambda G, d: jnp.where(on & last, G + d.astype(G.dtype), G), gh, dh)
+        loss = jnp.where(on & last, loss + out, loss)
+        return (acts, cots, g, gf, gh, loss), dx.astype(dtype)
+
+    return forward, backward

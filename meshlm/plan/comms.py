@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from meshlm.mesh import AXES, MeshShape
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.job import Job
+from meshlm.plan.job import Job, Local
 
 # XLA:TPU gathers q's and one of k/v's weights a third time in the backward pass from about this sequence
 # length (always with the ring over sp): seen at 1024 (tiny, 1b, llama2-7b) and at 512 (1b, not tiny),
@@ -65,20 +65,35 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     `backend` is the compiler's ('cpu', 'gpu', 'tpu'; `Hardware.backend`): XLA:TPU's program differs in
     the ways the module docstring lists; 'gpu' is predicted as 'cpu'."""
     loc = job.local(shape)
-    sizes = shape.as_dict()
-    cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
-    a, p, n, E = job.act_bytes, job.param_bytes, loc.tokens, cfg.d_model
-    g, r = (a, a) if backend == "tpu" else (p, p)  # bytes per element of gathered weights, of reduced gradients
+    out = Collectives(shape)
+    _layer_weights_and_norms(out.add, job, loc, backend)
+    _embedding_and_head(out.add, job, loc, backend)
+    _tensor_parallel(out.add, job, loc, backend)
+    s = shape.as_dict()["sp"]
+    if s > 1:  # RingAttention
+        _ring(out.add, job, loc.kv_heads, loc.tokens, job.act_bytes, s, backend)
+
+    return list(out)
+
+
+def _element_bytes(job: Job, backend: str) -> tuple[int, int]:
+    """Bytes per element of gathered weights and of reduced gradients (XLA:TPU: the compute dtype's)."""
+    a, p = job.act_bytes, job.param_bytes
+    return (a, a) if backend == "tpu" else (p, p)
+
+
+def _layer_weights_and_norms(add, job: Job, loc: Local, backend: str) -> None:
+    """fsdp's gathers and reduce-scatters and dp's all-reduces of the layers' weights, and the norm scales'
+    gathers and gradient sums, for `predict`."""
+    sizes = loc.shape.as_dict()
+    L, A, p, E = job.cfg.n_layers, job.grad_accum, job.param_bytes, job.cfg.d_model
+    g, r = _element_bytes(job, backend)
     F = ("fsdp", "sp")
     batch_axes = ("dp", "fsdp")
-    out = Collectives(shape)
-    add = out.add
-
     ways = sizes["fsdp"] * sizes["sp"]  # how many ways the weights' embed dimension is split (F)
-    fsdp_on = ways > 1
     layer_weights = {"attn.qkv": loc.w_qkv, "attn.out": loc.w_out, "mlp.in": loc.w_mlp_in, "mlp.down": loc.w_mlp_out}
     for op, w in layer_weights.items():
-        if fsdp_on:
+        if ways > 1:
             add("all-gather", F, w * g, 2 * L * A, op, "fsdp: gather weights (forward and backward)")
             add("reduce-scatter", F, w * r, L * A, op, "fsdp: reduce-scatter weight gradients")
             add("all-reduce", ("dp",), w * r / ways, L * A, op, "dp: all-reduce gradient shards")
@@ -92,7 +107,16 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     for axes in token_axes:
         add("all-reduce", axes, (2 * L + 1) * E * p, A, "norms", "sum norm-scale gradients over tokens")
 
-    # Embedding lookup (the ids go to the table: `meshlm.sharding.lookup`) and output head.
+
+def _embedding_and_head(add, job: Job, loc: Local, backend: str) -> None:
+    """The embedding lookup's collectives (the ids go to the table: `meshlm.sharding.lookup`), the output
+    head's and the loss's, for `predict`."""
+    sizes = loc.shape.as_dict()
+    cfg, A = job.cfg, job.grad_accum
+    a, p, n, E = job.act_bytes, job.param_bytes, loc.tokens, cfg.d_model
+    g, r = _element_bytes(job, backend)
+    F = ("fsdp", "sp")
+    ways = sizes["fsdp"] * sizes["sp"]
     table = loc.w_table * p
     add("all-gather", F, n * ways * 4, A, "embed", "fsdp: gather the token ids for the lookup", False)
     add("all-reduce", ("tp",), n * E * a, A, "embed", "tp: assemble looked-up rows from vocab shards", False)
@@ -108,7 +132,7 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
             "lm_head",
             "fsdp: gather the output head",
         )
-        if fsdp_on:
+        if ways > 1:
             add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
             add("all-reduce", ("dp",), table / ways, A, "lm_head", "dp: all-reduce gradient shards")
         else:
@@ -116,14 +140,22 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
     add("all-reduce", ("tp",), n * E * a, A, "lm_head", "tp: input gradient of the vocab-parallel head", False)
     add("all-reduce", ("tp",), 3 * n * 4, A, "loss", "tp: softmax max, sum and target logit over vocab shards", False)
 
-    # Tensor parallelism inside each layer.
+
+def _tensor_parallel(add, job: Job, loc: Local, backend: str) -> None:
+    """Tensor parallelism inside each layer: tp's sums of partial outputs and input gradients (and XLA:TPU's
+    regather of q, k weights), for `predict`."""
+    sizes = loc.shape.as_dict()
+    cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
+    a, n, E = job.act_bytes, loc.tokens, cfg.d_model
+    g, _ = _element_bytes(job, backend)
+    fsdp_on = sizes["fsdp"] * sizes["sp"] > 1
     recompute = 1 if cfg.remat in RECOMPUTES_ATTN_OUT else 0
     add("all-reduce", ("tp",), n * E * a, (1 + recompute) * L * A, "attn.out", "tp: sum partial outputs", False)
     add("all-reduce", ("tp",), n * E * a, L * A, "mlp.down", "tp: sum partial outputs", False)
     if backend == "tpu" and fsdp_on and (sizes["sp"] > 1 or job.seq_len >= TPU_REGATHER_FROM):
         add(
             "all-gather",
-            F,
+            ("fsdp", "sp"),
             E * (loc.heads + loc.kv_heads) * cfg.head_dim * g,
             L * A,
             "attn.qkv",
@@ -148,12 +180,6 @@ def predict(job: Job, shape: MeshShape, backend: str = "cpu") -> list[Collective
         "tp: sum input gradients of gate, up",
         False,
     )
-
-    s = sizes["sp"]
-    if s > 1:  # RingAttention
-        _ring(add, job, loc.kv_heads, n, a, s, backend)
-
-    return list(out)
 
 
 def _ring(add, job: Job, kv_heads: int, n: int, a: int, s: int, backend: str) -> None:

@@ -287,22 +287,37 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
     add("all-reduce", ("tp",), stream, bwd, "lm_head", "tp: input gradient of the head (every backward clock)", False)
     add("all-reduce", ("tp",), 3 * n * 4, bwd, "loss", "tp: softmax statistics over vocab shards", False)
     if shape.sp > 1:  # RingAttention, as `meshlm.plan.comms.predict` counts it, per clock
-        kv, kv32, ids, hops = (
-            n * loc.kv_heads * job.cfg.head_dim * a,
-            n * loc.kv_heads * job.cfg.head_dim * 4,
-            n * 4,
-            shape.sp,
-        )
-        add("collective-permute", ("sp",), 2 * kv, hops * Ls * clocks_fwd, "attention", "ring: pass k, v (forward)")
-        add(
-            "collective-permute",
-            ("sp",),
-            2 * kv + 2 * ids + 2 * kv32,
-            hops * Ls * bwd,
-            "attention",
-            "ring: pass k, v, ids and dk, dv accumulators (backward)",
-        )
-        add("collective-permute", ("sp",), 2 * kv32, Ls * bwd, "attention", "ring: send dk, dv home")
+        _ring_per_clock(add, job, loc, n, shape.sp, Ls * clocks_fwd, Ls * bwd)
+    _stage_weights_and_tables(add, shape, loc, p, Ls, fwd, bwd, s.virtual)
+    return list(out)
+
+
+def _ring_per_clock(add, job: Job, loc: Local, n: int, hops: int, layer_fwds: int, layer_bwds: int) -> None:
+    """RingAttention's sends over sp for `collectives`: n tokens per device, `layer_fwds` forward and
+    `layer_bwds` backward passes of a layer per step."""
+    a = job.act_bytes
+    kv, kv32, ids = (
+        n * loc.kv_heads * job.cfg.head_dim * a,
+        n * loc.kv_heads * job.cfg.head_dim * 4,
+        n * 4,
+    )
+    add("collective-permute", ("sp",), 2 * kv, hops * layer_fwds, "attention", "ring: pass k, v (forward)")
+    add(
+        "collective-permute",
+        ("sp",),
+        2 * kv + 2 * ids + 2 * kv32,
+        hops * layer_bwds,
+        "attention",
+        "ring: pass k, v, ids and dk, dv accumulators (backward)",
+    )
+    add("collective-permute", ("sp",), 2 * kv32, layer_bwds, "attention", "ring: send dk, dv home")
+
+
+def _stage_weights_and_tables(
+    add, shape: MeshShape, loc: Local, p: int, Ls: int, fwd: int, bwd: int, virtual: int
+) -> None:
+    """For `collectives`: fsdp's gathers and reduce-scatters and dp's sums of the stage's layer weights
+    (Ls layers, fwd and bwd clocks, `virtual` stages per rank), and the embedding table's and head's."""
     F = ("fsdp", "sp")
     for op, w in (
         ("attn.qkv", loc.w_qkv),
@@ -316,7 +331,7 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
         if Ls > 1:  # inside the stage's layer loop, each backward clock
             add("all-reduce", ("dp",), w * p / (shape.fsdp * shape.sp), Ls * bwd, op, "dp: sum weight gradients")
         else:  # a stage of one layer: XLA sums the accumulated gradients once, after the clocks
-            add("all-reduce", ("dp",), w * p / (shape.fsdp * shape.sp) * s.virtual, 1, op, "dp: sum weight gradients")
+            add("all-reduce", ("dp",), w * p / (shape.fsdp * shape.sp) * virtual, 1, op, "dp: sum weight gradients")
     add("all-gather", F, loc.w_table * p, 2, "embed", "fsdp: gather the embedding table and head")
     add(
         "all-reduce",
@@ -326,7 +341,6 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
         "embed",
         "sum the tables' gradients over the data axes",
     )
-    return list(out)
 
 
 def operator_flops(job: Job, shape: MeshShape) -> dict[str, float]:

@@ -174,12 +174,26 @@ def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str],
 
 def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[str], top: int, console=None) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log file or a pipe: wide enough for one row per mesh
             console = Console(width=160)
+    _print_job_line(job, hw, model_flags, console)
+    console.print(_mesh_table(job, plans, top))
+    first_staged = next((p for p in plans[:top] if p.pipeline), None)
+    if first_staged is not None:
+        print_stages(first_staged, console)
+
+    best = plans[0]
+    console.print(_operator_table(best))
+    for op in best.comm_bound:
+        console.print(f"{op.name} is communication-bound on {op.link}: {op.fix}", highlight=False)
+    console.print(f"recommended: [bold]{train_command(job, best, model_flags, hw)}[/]", highlight=False, soft_wrap=True)
+
+
+def _print_job_line(job: Job, hw: Hardware, model_flags: list[str], console) -> None:
+    """The report's first lines: the model, batch, devices and hardware, and the peak MFU is measured against."""
     c = job.cfg
     console.print(
         f"[bold]{' '.join(model_flags)}[/]: {count_params(c.num_params())} parameters; batch {job.batch_size} × "
@@ -191,6 +205,13 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
     console.print(
         f"MFU peak: {hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s per device ({hw.peak_source})", highlight=False
     )
+
+
+def _mesh_table(job: Job, plans: list[Plan], top: int):
+    """The table of the best `top` meshes: one row per plan, with pipeline, remat and compiled columns
+    where any shown plan has them."""
+    from rich.table import Table
+
     shown = plans[:top]
     verified = any(p.compiled for p in shown)
     staged = any(p.pipeline for p in shown)
@@ -201,7 +222,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
         + ("; temporaries below 0: gradients or activations held in on-chip memory at the peak" if onchip else "")
         + ")"
     )
-    searched = c.remat == "auto"  # each row's policy (and micro-batches) is the search's
+    searched = job.cfg.remat == "auto"  # each row's policy (and micro-batches) is the search's
     columns = [
         "#",
         "mesh_dim",
@@ -221,51 +242,58 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
         for col in ("compiled GB", "mem err", "coll err", *(("xfer err",) if staged else ())):
             table.add_column(col, justify="right")
     for i, p in enumerate(shown, 1):
-        m = p.memory.as_dict()
-        row = [str(i), p.mesh_dim]
-        if staged:
-            pl = p.pipeline
-            row += (
-                [
-                    f"{pl.pp} {pl.schedule.name} M={pl.microbatches}"
-                    + (f" V={pl.schedule.virtual}" if pl.schedule.virtual > 1 else ""),
-                    f"{pl.bubble:.0%}",
-                    _gb(pl.transfer_bytes),
-                ]
-                if pl
-                else ["-", "-", "-"]
-            )
-        if searched:
-            row.append(p.job.cfg.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
-        row += [
-            _gb(m["total"]),
-            _pie(m),
-            "yes" if p.fits else "[red]no[/]",
-            f"{p.time.step_s:.3g}",
-            f"{p.time.tokens_per_s:,.0f}",
-            f"{p.time.mfu:.0%}",
-            ", ".join(op.name for op in p.comm_bound) or "-",
-        ]
-        if verified:
-            comp = p.compiled
-            row += (
-                [
-                    _gb(comp["peak_memory_bytes"]),
-                    _pct(comp["error_percent"]["peak_memory"]),
-                    _pct(comp["error_percent"]["collective_bytes"]),
-                ]
-                if comp
-                else ["", "", ""]
-            )
-            if staged:
-                row.append(_pct(comp["error_percent"].get("stage_transfers")) if comp else "")
-        table.add_row(*row)
-    console.print(table)
-    first_staged = next((p for p in shown if p.pipeline), None)
-    if first_staged is not None:
-        print_stages(first_staged, console)
+        table.add_row(*_mesh_row(job, i, p, staged, searched, verified))
+    return table
 
-    best = plans[0]
+
+def _mesh_row(job: Job, i: int, p: Plan, staged: bool, searched: bool, verified: bool) -> list[str]:
+    """The cells of plan `p`, ranked `i`, in `_mesh_table`'s columns."""
+    m = p.memory.as_dict()
+    row = [str(i), p.mesh_dim]
+    if staged:
+        pl = p.pipeline
+        row += (
+            [
+                f"{pl.pp} {pl.schedule.name} M={pl.microbatches}"
+                + (f" V={pl.schedule.virtual}" if pl.schedule.virtual > 1 else ""),
+                f"{pl.bubble:.0%}",
+                _gb(pl.transfer_bytes),
+            ]
+            if pl
+            else ["-", "-", "-"]
+        )
+    if searched:
+        row.append(p.job.cfg.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
+    row += [
+        _gb(m["total"]),
+        _pie(m),
+        "yes" if p.fits else "[red]no[/]",
+        f"{p.time.step_s:.3g}",
+        f"{p.time.tokens_per_s:,.0f}",
+        f"{p.time.mfu:.0%}",
+        ", ".join(op.name for op in p.comm_bound) or "-",
+    ]
+    if verified:
+        comp = p.compiled
+        row += (
+            [
+                _gb(comp["peak_memory_bytes"]),
+                _pct(comp["error_percent"]["peak_memory"]),
+                _pct(comp["error_percent"]["collective_bytes"]),
+            ]
+            if comp
+            else ["", "", ""]
+        )
+        if staged:
+            row.append(_pct(comp["error_percent"].get("stage_transfers")) if comp else "")
+    return row
+
+
+def _operator_table(best: Plan):
+    """The operators of the best plan: FLOPs, bytes sent, arithmetic intensity against the hardware's, and
+    what bounds each."""
+    from rich.table import Table
+
     ops = Table(
         title=f"operators of --mesh_dim={best.mesh_dim}, per device per step "
         "(intensity: FLOPs per byte sent on its busiest link)"
@@ -283,10 +311,7 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
             "-" if op.ridge is None else f"{op.ridge:,.0f} {op.link}",
             "[red]communication[/]" if op.comm_bound else ("compute" if op.flops else "-"),
         )
-    console.print(ops)
-    for op in best.comm_bound:
-        console.print(f"{op.name} is communication-bound on {op.link}: {op.fix}", highlight=False)
-    console.print(f"recommended: [bold]{train_command(job, best, model_flags, hw)}[/]", highlight=False, soft_wrap=True)
+    return ops
 
 
 def print_stages(plan: Plan, console) -> None:
