@@ -304,9 +304,8 @@ def _stream(engine, request, prompt: str, err) -> None:
         engine.stop()
 
 
-def serve(argv: list[str]) -> int:
-    from rich.console import Console
-
+def _serve_parser() -> Parser:
+    """`meshlm serve`'s flags: the model's, the server's and the cluster's."""
     parser = Parser(prog="meshlm serve", description="An OpenAI-compatible HTTP API and a chat page.")
     add_model_flags(parser, max_batch=16)
     g = parser.add_argument_group("server")
@@ -361,7 +360,12 @@ def serve(argv: list[str]) -> int:
         help=f"log-probabilities one request may return (tokens × (alternatives + 1)) [default: {MAX_LOGPROBS}]",
     )
     add_cluster_flags(parser, CLUSTER_HELP)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked_serve_limits(args) -> dict[str, int]:
+    """The port and the timeouts checked; the engine's limits (--max_queue, --max_request_tokens,
+    --max_logprobs) by flag name, each checked positive."""
     if not 0 < args.port < 65536:
         raise UsageError(f"--port={args.port} must be between 1 and 65535")
     for flag in ("header_timeout", "body_timeout"):
@@ -371,11 +375,18 @@ def serve(argv: list[str]) -> int:
     for flag, value in limits.items():
         if value < 1:
             raise UsageError(f"--{flag}={value} must be a positive integer")
+    return limits
+
+
+def serve(argv: list[str]) -> int:
+    from rich.console import Console
+
+    args = _serve_parser().parse_args(argv)
+    limits = _checked_serve_limits(args)
     check_host(args.host)
 
     def work(main: bool) -> int:
         from meshlm.serve.api.server import bind
-        from meshlm.serve.api.server import serve as run_server
         from meshlm.serve.engine.warmup import FIRST
 
         console = Console(stderr=True, quiet=not main)
@@ -392,32 +403,40 @@ def serve(argv: list[str]) -> int:
         if not main:
             engine.follow()  # until process 0's server stops
             return 0
-        if args.model_name:
-            engine.model_name = args.model_name
-        url = f"http://{args.host}:{args.port}"
-        left = len(engine.uncompiled())
-        console.print(
-            f"serving {engine.model_name} on {url} (chat page at /, API at /v1)"
-            + (f"; compiling the other {left} shapes in the background" if left else "")
-        )
-        if progress is not None:
-            progress.on_done = lambda s: console.print(f"ready: every shape compiled ({s:.1f} s); serving on {url}")
-        if not left:
-            console.print(f"ready: serving on {url}")
-        try:
-            run_server(
-                engine.start(background=True, progress=progress),
-                host=args.host,
-                port=args.port,
-                api_key=args.api_key,
-                sock=sock,
-                header_timeout_s=args.header_timeout,
-                body_timeout_s=args.body_timeout,
-            )
-        finally:
-            engine.stop()
-            if progress is not None:
-                progress.close()
+        _serve_http(engine, progress, sock, args, console)
         return 0
 
     return run_in_cluster("serve", argv, args, work)
+
+
+def _serve_http(engine, progress, sock, args, console) -> None:
+    """Process 0 of `meshlm serve`: announce the address, start the engine and serve HTTP on `sock`
+    until the server stops, then stop the engine (and the background compilation's progress bar)."""
+    from meshlm.serve.api.server import serve as run_server
+
+    if args.model_name:
+        engine.model_name = args.model_name
+    url = f"http://{args.host}:{args.port}"
+    left = len(engine.uncompiled())
+    console.print(
+        f"serving {engine.model_name} on {url} (chat page at /, API at /v1)"
+        + (f"; compiling the other {left} shapes in the background" if left else "")
+    )
+    if progress is not None:
+        progress.on_done = lambda s: console.print(f"ready: every shape compiled ({s:.1f} s); serving on {url}")
+    if not left:
+        console.print(f"ready: serving on {url}")
+    try:
+        run_server(
+            engine.start(background=True, progress=progress),
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            sock=sock,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+        )
+    finally:
+        engine.stop()
+        if progress is not None:
+            progress.close()

@@ -116,9 +116,10 @@ def _prompt_ids(engine: Any, prompt: str | list[int], param: str) -> list[int]:
     return prompt
 
 
-async def completions(engine: Any, body: CompletionBody, request: Request, open_requests) -> Response:
-    check_model(engine, body)
-    prompts, several = body.prompt, len(body.prompt) > 1
+def _check_completion_body(engine: Any, body: CompletionBody) -> None:
+    """400 for what /v1/completions refuses before any work: streaming several prompts or logprobs,
+    max_tokens 0 without echo, and logprobs where scoring is not available."""
+    several = len(body.prompt) > 1
     if body.stream and (several or body.logprobs is not None):
         what = "a list of several prompts" if several else "logprobs"
         raise APIError(
@@ -137,6 +138,59 @@ async def completions(engine: Any, body: CompletionBody, request: Request, open_
     if body.logprobs is not None:
         _scorer(engine, "logprobs")  # refused before any work where scoring is not available
 
+
+def _echo_only_replies(engine: Any, body: CompletionBody, ids: list[list[int]]) -> list:
+    """max_tokens 0 with echo: the prompts checked to fit (and their logprobs to be within the limit);
+    an empty Reply for each."""
+    for p in ids:
+        check_fits(engine, p, "prompt", room_needed=0)
+    if body.logprobs is not None:
+        check_logprobs_limit(engine, sum(map(len, ids)), body.logprobs, "logprobs")
+    return [replies.Reply("", [], "length") for _ in ids]
+
+
+def _echo_only_stream(engine: Any, body: CompletionBody, ids: list[list[int]], texts: list, chunk) -> Response:
+    """The stream of an echo-only request: one prompt, no logprobs (refused before), its echo the whole stream."""
+    echoed = [chunk([replies.completion_choice(_prompt_text(engine, texts[0], ids[0]), "length")], None)]
+    if body.include_usage:
+        echoed.append(chunk([], replies.usage_of(len(ids[0]), 0)))
+    return StreamingResponse(replies.fixed_stream(echoed), media_type="text/event-stream", headers=replies.SSE_HEADERS)
+
+
+async def _generated_replies(
+    engine: Any, body: CompletionBody, request: Request, open_requests, ids: list[list[int]], texts: list, chunk
+) -> list | Response:
+    """The prompts' completions, generated together: their Replies, or the Response itself where it
+    streams or the client hung up (499)."""
+    requests = [
+        prepare(engine, p, body, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+        for p in ids
+    ]
+    check_request_tokens(engine, requests)
+    if body.logprobs is not None:
+        shown = sum(r.max_tokens + (len(p) if body.echo else 0) for p, r in zip(ids, requests))
+        check_logprobs_limit(engine, shown, body.logprobs, "logprobs")
+    handles = submit(engine, requests, open_requests)  # all queued together, sharing slots fairly
+    if body.stream:
+        echo = replies.completion_choice(_prompt_text(engine, texts[0], ids[0]), None) if body.echo else None
+        events = replies.event_stream(
+            handles[0], chunk, replies.completion_choice, first_choice=echo, include_usage=body.include_usage
+        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=replies.SSE_HEADERS)
+    outs = await replies.replies_or_hang_up(request, handles)
+    if outs is None:
+        return Response(status_code=499)  # nobody is listening; the status is for the access log
+    for out in outs:
+        if failure := engine_failure(out.finish_reason):
+            raise failure
+    return outs
+
+
+async def completions(engine: Any, body: CompletionBody, request: Request, open_requests) -> Response:
+    check_model(engine, body)
+    _check_completion_body(engine, body)
+    prompts = body.prompt
+
     def all_ids() -> list[list[int]]:
         return [_prompt_ids(engine, p, "prompt") for p in prompts]
 
@@ -153,40 +207,14 @@ async def completions(engine: Any, body: CompletionBody, request: Request, open_
         return {**meta, "choices": choices, "usage": usage}
 
     if body.max_tokens == 0:  # echo only: score the prompts, generate nothing
-        for p in ids:
-            check_fits(engine, p, "prompt", room_needed=0)
-        if body.logprobs is not None:
-            check_logprobs_limit(engine, sum(map(len, ids)), body.logprobs, "logprobs")
-        outs = [replies.Reply("", [], "length") for _ in ids]
-        if body.stream:  # one prompt, no logprobs (refused above): its echo is the whole stream
-            echoed = [chunk([replies.completion_choice(_prompt_text(engine, texts[0], ids[0]), "length")], None)]
-            if body.include_usage:
-                echoed.append(chunk([], replies.usage_of(len(ids[0]), 0)))
-            return StreamingResponse(
-                replies.fixed_stream(echoed), media_type="text/event-stream", headers=replies.SSE_HEADERS
-            )
-    else:
-        requests = [
-            prepare(engine, p, body, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
-            for p in ids
-        ]
-        check_request_tokens(engine, requests)
-        if body.logprobs is not None:
-            shown = sum(r.max_tokens + (len(p) if body.echo else 0) for p, r in zip(ids, requests))
-            check_logprobs_limit(engine, shown, body.logprobs, "logprobs")
-        handles = submit(engine, requests, open_requests)  # all queued together, sharing slots fairly
+        outs = _echo_only_replies(engine, body, ids)
         if body.stream:
-            echo = replies.completion_choice(_prompt_text(engine, texts[0], ids[0]), None) if body.echo else None
-            events = replies.event_stream(
-                handles[0], chunk, replies.completion_choice, first_choice=echo, include_usage=body.include_usage
-            )
-            return StreamingResponse(events, media_type="text/event-stream", headers=replies.SSE_HEADERS)
-        outs = await replies.replies_or_hang_up(request, handles)
-        if outs is None:
-            return Response(status_code=499)  # nobody is listening; the status is for the access log
-        for out in outs:
-            if failure := engine_failure(out.finish_reason):
-                raise failure
+            return _echo_only_stream(engine, body, ids, texts, chunk)
+    else:
+        generated = await _generated_replies(engine, body, request, open_requests, ids, texts, chunk)
+        if isinstance(generated, Response):
+            return generated
+        outs = generated
 
     scores = None
     if body.logprobs is not None:
@@ -200,21 +228,26 @@ async def completions(engine: Any, body: CompletionBody, request: Request, open_
         )  # a reply generated already must finish
         if scores is None:
             return Response(status_code=499)
+    if scores is not None:  # in a worker thread: the texts and the JSON of long logprobs take a while
+        return await asyncio.to_thread(_completion_reply, engine, body, meta, ids, texts, outs, scores)
+    return _completion_reply(engine, body, meta, ids, texts, outs, scores)
 
-    def reply() -> JSONResponse:  # in a worker thread: the texts and the JSON of long logprobs take a while
-        choices = []
-        for i, (p, out) in enumerate(zip(ids, outs)):
-            text = _prompt_text(engine, texts[i], p) + out.text if body.echo else out.text
-            logprobs = (
-                None
-                if scores is None
-                else completion_logprobs(engine.tokenizer, scores[i], 0 if body.echo else len(p), body.logprobs)
-            )
-            choices.append(replies.completion_choice(text, out.finish_reason, index=i, logprobs=logprobs))
-        usage = replies.usage_of(sum(map(len, ids)), sum(len(o.token_ids) for o in outs))
-        return JSONResponse({**meta, "choices": choices, "usage": usage})
 
-    return await asyncio.to_thread(reply) if scores is not None else reply()
+def _completion_reply(
+    engine: Any, body: CompletionBody, meta: dict, ids: list[list[int]], texts: list, outs: list, scores: list | None
+) -> JSONResponse:
+    """The JSON reply of /v1/completions: each prompt's choice (its echo, text and logprobs) and the usage."""
+    choices = []
+    for i, (p, out) in enumerate(zip(ids, outs)):
+        text = _prompt_text(engine, texts[i], p) + out.text if body.echo else out.text
+        logprobs = (
+            None
+            if scores is None
+            else completion_logprobs(engine.tokenizer, scores[i], 0 if body.echo else len(p), body.logprobs)
+        )
+        choices.append(replies.completion_choice(text, out.finish_reason, index=i, logprobs=logprobs))
+    usage = replies.usage_of(sum(map(len, ids)), sum(len(o.token_ids) for o in outs))
+    return JSONResponse({**meta, "choices": choices, "usage": usage})
 
 
 def _prompt_text(engine: Any, text: str | None, ids: list[int]) -> str:
