@@ -40,7 +40,8 @@ run: install
 		--lr=3e-3 --log_every=10 --output_dir=outputs/run
 
 # ruff (lint, then the formatter's check) over the tree, mypy over the core packages ([tool.mypy] files).
-$(LINT_STAMP): $(STAMP)
+# On top of the test set-up, so that mypy reads the same installed libraries here, in CI and in pre-commit.
+$(LINT_STAMP): $(TEST_STAMP)
 	$(BIN)/python -m pip install -q $(LINT_TOOLS)
 	touch $(LINT_STAMP)
 
