@@ -3,8 +3,9 @@
     q [B, T, H, D], k and v [B, S, KVH, D] (H % KVH == 0), q_positions [B, T], kv_positions [B, S]
     (< 0: an empty slot), optional segment ids [B, T] / [B, S]; output [B, T, H, D] in q's dtype
 
-A query attends a key when the key slot holds a token, (if causal) the key is not ahead, and (if
-given) both are in the same document. Masks come from positions, never indices, so one code path
+A query attends a key when the key slot holds a token, (if causal) the key is not ahead, (with a
+sliding window W) the key is less than W positions behind, and (if given) both are in the same
+document. Scores are scaled (1/sqrt(D) unless given) and optionally soft-capped. Masks come from positions, never indices, so one code path
 serves training, ring reordering, decoding with a KV cache and packed sequences. Softmax runs in
 float32; grouped-query attention never copies k/v to H heads. `forward_chunk` and `backward_chunk`
 fold one chunk of keys into a running online softmax or into gradient accumulators;
@@ -55,32 +56,59 @@ def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_i
         raise ValueError("segment ids must have the shapes of the positions")
 
 
-def attention_mask(q_pos, kv_pos, q_seg, kv_seg, causal: bool) -> Array:
-    """[B, tq], [B, tk] -> bool [B, tq, tk], True where the query may attend the key."""
+def attention_mask(q_pos, kv_pos, q_seg, kv_seg, causal: bool, window: int = 0) -> Array:
+    """[B, tq], [B, tk] -> bool [B, tq, tk], True where the query may attend the key.
+
+    `window` W > 0 keeps only keys less than W positions behind the query (q_pos - kv_pos < W:
+    a query at p sees p-W+1 .. p when causal), transformers' sliding-window convention."""
     mask = (kv_pos >= 0)[:, None, :]
     if causal:
         mask = mask & (kv_pos[:, None, :] <= q_pos[:, :, None])
+    if window:
+        mask = mask & (q_pos[:, :, None] - kv_pos[:, None, :] < window)
     if q_seg is not None:
         mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
     return mask
 
 
-def block_may_attend(q_pos, kv_pos, q_seg, kv_seg, causal: bool) -> Array:
-    """Scalar bool: False only if *every* (query, key) pair of the block is masked.
+def _ranges(x, size: int, valid=None):
+    """[B, n*size] -> (min, max) over each block of `size`, [B, n], of the entries where `valid`
+    ([B, n*size] bool; None: all); a block with no valid entry gets (INT_MAX, -1)."""
+    b = x.shape[0]
+    x = x.reshape(b, -1, size)
+    if valid is None:
+        return jnp.min(x, axis=-1), jnp.max(x, axis=-1)
+    valid = valid.reshape(x.shape)
+    return jnp.min(jnp.where(valid, x, _INT_MAX), axis=-1), jnp.max(jnp.where(valid, x, -1), axis=-1)
 
-    Compares ranges, so it costs O(tq + tk) rather than O(tq * tk). It may answer True for a
-    block that turns out to be fully masked (then the block is computed and masked as usual),
-    but never False for a block with a pair to attend. The whole batch shares one answer.
+
+def block_table(q_pos, kv_pos, q_seg, kv_seg, causal: bool, window: int, block_q: int, block_kv: int) -> Array:
+    """bool [T // block_q, S // block_kv]: False only where *every* (query, key) pair of a block is masked.
+
+    Compares each block's ranges of positions and segment ids, so it costs O(T/bq * S/bk) (never
+    O(T * S)) and holds for tokens in any order. It may say True for a block that turns out to be
+    fully masked (then the block is computed and masked as usual), but never False for a block
+    with a pair to attend. The whole batch shares one answer.
     """
     valid = kv_pos >= 0
-    ok = jnp.any(valid, axis=-1)  # [B]: some key slot holds a token
+    k_lo, k_hi = (r[:, None, :] for r in _ranges(kv_pos, block_kv, valid))  # [B, 1, nk]
+    q_lo, q_hi = (r[:, :, None] for r in _ranges(q_pos, block_q))  # [B, nq, 1]
+    ok = jnp.any(valid.reshape(k_lo.shape[0], 1, -1, block_kv), axis=-1)  # some key slot holds a token
     if causal:
-        first_key = jnp.min(jnp.where(valid, kv_pos, _INT_MAX), axis=-1)
-        ok = ok & (first_key <= jnp.max(q_pos, axis=-1))
+        ok = ok & (k_lo <= q_hi)
+    if window:  # some key less than `window` behind some query
+        ok = ok & (k_hi > q_lo - window)
     if q_seg is not None:  # the id ranges overlap
-        ok = ok & (jnp.min(q_seg, axis=-1) <= jnp.max(kv_seg, axis=-1))
-        ok = ok & (jnp.min(kv_seg, axis=-1) <= jnp.max(q_seg, axis=-1))
-    return jnp.any(ok)
+        qs_lo, qs_hi = (r[:, :, None] for r in _ranges(q_seg, block_q))
+        ks_lo, ks_hi = (r[:, None, :] for r in _ranges(kv_seg, block_kv))
+        ok = ok & (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
+    return jnp.any(ok, axis=0)
+
+
+def block_may_attend(q_pos, kv_pos, q_seg, kv_seg, causal: bool, window: int = 0) -> Array:
+    """Scalar bool: False only if *every* (query, key) pair of the block is masked (`block_table`
+    with the whole block as one)."""
+    return block_table(q_pos, kv_pos, q_seg, kv_seg, causal, window, q_pos.shape[1], kv_pos.shape[1])[0, 0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,9 +152,21 @@ def _dot(subscripts, a, b):
     return jnp.einsum(subscripts, a, b, preferred_element_type=_F32)
 
 
-def _scores(q_blk, k_blk):
-    """[B,KVH,G,tq,D] x [B,tk,KVH,D] -> float32 scores [B,KVH,G,tq,tk], scaled by 1/sqrt(D)."""
-    return _dot("bhgqd,bkhd->bhgqk", q_blk, k_blk) * (1.0 / math.sqrt(q_blk.shape[-1]))
+def score_scale(scale: float | None, head_dim: int) -> float:
+    """The factor scores are multiplied by: `scale`, or 1/sqrt(head_dim) where it is None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def soft_cap(scores, softcap: float):
+    """softcap * tanh(scores / softcap) (Gemma 2's logit soft-capping); scores unchanged for 0."""
+    return softcap * jnp.tanh(scores / softcap) if softcap else scores
+
+
+def _scores(q_blk, k_blk, scale: float | None = None, softcap: float = 0.0):
+    """[B,KVH,G,tq,D] x [B,tk,KVH,D] -> float32 scores [B,KVH,G,tq,tk]: scaled (`score_scale`), then
+    soft-capped."""
+    raw = _dot("bhgqd,bkhd->bhgqk", q_blk, k_blk) * score_scale(scale, q_blk.shape[-1])
+    return soft_cap(raw, softcap)
 
 
 def _slice(x, start, size, axis):
@@ -203,23 +243,44 @@ def _online_softmax_step(state: SoftmaxState, s, v_blk) -> SoftmaxState:
     return SoftmaxState(acc, m_new, l)
 
 
+def key_block_lists(table):
+    """[nq, nk] block table -> (order [nq, nk]: each row's key blocks to visit first, ascending,
+    count [nq]: how many there are). Looping over `order[i, :count[i]]` visits only the blocks
+    that may attend, so a sliding window costs O(T * W), not a pass over every key block."""
+    count = jnp.sum(table, axis=1, dtype=jnp.int32)
+    order = jnp.argsort(jnp.logical_not(table), axis=1, stable=True).astype(jnp.int32)
+    return order, count
+
+
+def _visits(q_pos, kv_pos, q_seg, kv_seg, causal, window, bq, bk, skip_masked: bool):
+    """(order, count, any) of `key_block_lists`; (None, None, True) for every block, no table."""
+    if not skip_masked:
+        return None, None, True
+    table = block_table(q_pos, kv_pos, q_seg, kv_seg, causal, window, bq, bk)
+    return (*key_block_lists(table), jnp.any(table))
+
+
 def forward_chunk(
     state: SoftmaxState,
     q, k, v, q_pos, kv_pos, q_seg, kv_seg,
     *, causal: bool, block_q: int, block_kv: int, skip_masked: bool = True,
+    window: int = 0, softcap: float = 0.0, scale: float | None = None,
 ) -> SoftmaxState:  # fmt: skip
     """Attend all queries to one chunk of keys/values, updating the online-softmax state.
 
     q [B,T,KVH,G,D], k/v [B,S,KVH,D], positions/segments [B,T] / [B,S]. Loops
-    over query blocks and, inside, key blocks; a (query block, key block) pair whose mask is
-    all False is skipped by `lax.cond`, and so is a query block with nothing to attend in the
-    whole chunk (decided from position ranges, so the order of tokens does not matter). Peak
+    over query blocks and, inside, over the key blocks `block_table` says may be attended (a
+    data-dependent trip count: blocks outside a window or above the causal diagonal are never
+    visited); a query block with nothing to attend, and a chunk with nothing at all, is skipped
+    by `lax.cond` (decided from position ranges, so the order of tokens does not matter). Peak
     extra memory is one [B,KVH,G,block_q,block_kv] score block. `skip_masked=False` computes every
     pair instead, with no `lax.cond`: for a single block of a causal self-attention, which always
-    attends and where a conditional only costs.
+    attends and where a conditional only costs. `window`, `softcap`, `scale`: see `attention_mask`,
+    `soft_cap` and `score_scale`.
     """
     t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
+    order, count, some = _visits(q_pos, kv_pos, q_seg, kv_seg, causal, window, bq, bk, skip_masked)
 
     def per_query_block(i, state):
         q0 = i * bq
@@ -233,19 +294,15 @@ def forward_chunk(
                 _slice(state.l, q0, bq, 3),
             )
 
-            def per_key_block(j, blk_state):
-                k0 = j * bk
+            def per_key_block(n, blk_state):
+                k0 = (n if order is None else order[i, n]) * bk
                 kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
+                scores = _scores(q_blk, _slice(k, k0, bk, 1), scale, softcap)
+                mask = attention_mask(qp, kp, qs, ks, causal, window)[:, None, None]
+                scores = jnp.where(mask, scores, -jnp.inf)
+                return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 1))
 
-                def attend(blk_state):
-                    scores = _scores(q_blk, _slice(k, k0, bk, 1))
-                    mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
-                    scores = jnp.where(mask, scores, -jnp.inf)
-                    return _online_softmax_step(blk_state, scores, _slice(v, k0, bk, 1))
-
-                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, blk_state, skip_masked)
-
-            blk_state = lax.fori_loop(0, s // bk, per_key_block, blk_state)
+            blk_state = lax.fori_loop(0, s // bk if count is None else count[i], per_key_block, blk_state)
             return SoftmaxState(
                 _update(state.acc, _tokens_major(blk_state.acc), q0, 1),
                 _update(state.m, blk_state.m, q0, 3),
@@ -253,9 +310,9 @@ def forward_chunk(
             )
 
         # A query block with nothing to attend in this chunk skips even its setup.
-        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, state, skip_masked)
+        return _if(count is None or count[i] > 0, attend_row, state, skip_masked)
 
-    return lax.fori_loop(0, t // bq, per_query_block, state)
+    return _if(some, lambda state: lax.fori_loop(0, t // bq, per_query_block, state), state, skip_masked)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +324,7 @@ def backward_chunk(
     grads,
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta,
     *, causal: bool, block_q: int, block_kv: int, skip_masked: bool = True,
+    window: int = 0, softcap: float = 0.0, scale: float | None = None,
 ):  # fmt: skip
     """Gradients of the attention of all queries to one chunk of keys/values.
 
@@ -275,17 +333,18 @@ def backward_chunk(
     pass) and delta = sum(dout * out, -1). With p = exp(s - lse) the exact softmax
     probabilities are recovered block by block, so nothing of size T x S is ever stored:
 
-        dv += p^T dout      dp = dout v^T      ds = p * (dp - delta)
-        dq += ds k / sqrt(D)                   dk += ds^T q / sqrt(D)
+        dv += p^T dout      dp = dout v^T      ds = p * (dp - delta) * c * scale
+        dq += ds k          dk += ds^T q
 
+    where c = 1 - tanh^2(raw / softcap) is the soft cap's derivative (1 without one).
     grads = (dq [B,T,KVH,G,D], dk [B,S,KVH,D], dv [B,S,KVH,D]), float32 accumulators that this
     chunk's contributions are added to (in place, so no extra copies); returns the updated
-    triple. Fully masked pairs of blocks are skipped (unless `skip_masked` is False, as in
-    `forward_chunk`).
+    triple. Only the key blocks `block_table` allows are visited (as in `forward_chunk`).
     """
     t, s = q.shape[1], k.shape[1]
     bq, bk = block_sizes(t, s, block_q, block_kv)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    factor = score_scale(scale, q.shape[-1])
+    order, count, some = _visits(q_pos, kv_pos, q_seg, kv_seg, causal, window, bq, bk, skip_masked)
 
     def per_query_block(i, grads):
         q0 = i * bq
@@ -297,36 +356,36 @@ def backward_chunk(
             do_blk = _heads_major(_slice(dout, q0, bq, 1))
             lse_blk, delta_blk = _slice(lse, q0, bq, 3), _slice(delta, q0, bq, 3)
 
-            def per_key_block(j, carry):
-                k0 = j * bk
+            def per_key_block(n, carry):
+                dq_blk, dk, dv = carry
+                k0 = (n if order is None else order[i, n]) * bk
                 kp, ks = _slice(kv_pos, k0, bk, 1), _slice_opt(kv_seg, k0, bk, 1)
-
-                def attend(carry):
-                    dq_blk, dk, dv = carry
-                    k_blk, v_blk = _slice(k, k0, bk, 1), _slice(v, k0, bk, 1)
-                    mask = attention_mask(qp, kp, qs, ks, causal)[:, None, None]
-                    # Masked entries (and rows with lse = -inf: fully masked) give p = 0.
-                    p = jnp.exp(_scores(q_blk, k_blk) - lse_blk[..., None])
-                    p = jnp.where(mask, p, 0.0)
-                    dv_blk = _dot("bhgqk,bhgqd->bkhd", p.astype(do_blk.dtype), do_blk)
-                    dp = _dot("bhgqd,bkhd->bhgqk", do_blk, v_blk)
-                    ds = (p * (dp - delta_blk[..., None]) * scale).astype(q.dtype)
-                    dq_blk += _dot("bhgqk,bkhd->bhgqd", ds, k_blk)
-                    dk_blk = _dot("bhgqk,bhgqd->bkhd", ds, q_blk)
-                    dk = _update(dk, _slice(dk, k0, bk, 1) + dk_blk, k0, 1)
-                    dv = _update(dv, _slice(dv, k0, bk, 1) + dv_blk, k0, 1)
-                    return dq_blk, dk, dv
-
-                return _if(block_may_attend(qp, kp, qs, ks, causal), attend, carry, skip_masked)
+                k_blk, v_blk = _slice(k, k0, bk, 1), _slice(v, k0, bk, 1)
+                mask = attention_mask(qp, kp, qs, ks, causal, window)[:, None, None]
+                scores = _scores(q_blk, k_blk, factor, softcap)
+                # Masked entries (and rows with lse = -inf: fully masked) give p = 0.
+                p = jnp.where(mask, jnp.exp(scores - lse_blk[..., None]), 0.0)
+                dv_blk = _dot("bhgqk,bhgqd->bkhd", p.astype(do_blk.dtype), do_blk)
+                dp = _dot("bhgqd,bkhd->bhgqk", do_blk, v_blk)
+                ds = p * (dp - delta_blk[..., None]) * factor
+                if softcap:
+                    ds = ds * (1.0 - jnp.square(scores / softcap))
+                ds = ds.astype(q.dtype)
+                dq_blk += _dot("bhgqk,bkhd->bhgqd", ds, k_blk)
+                dk_blk = _dot("bhgqk,bhgqd->bkhd", ds, q_blk)
+                dk = _update(dk, _slice(dk, k0, bk, 1) + dk_blk, k0, 1)
+                dv = _update(dv, _slice(dv, k0, bk, 1) + dv_blk, k0, 1)
+                return dq_blk, dk, dv
 
             carry = (_heads_major(_slice(dq, q0, bq, 1)), dk, dv)
-            dq_blk, dk, dv = lax.fori_loop(0, s // bk, per_key_block, carry)
+            dq_blk, dk, dv = lax.fori_loop(0, s // bk if count is None else count[i], per_key_block, carry)
             return _update(dq, _tokens_major(dq_blk), q0, 1), dk, dv
 
         # A query block with nothing to attend in this chunk skips even its setup.
-        return _if(block_may_attend(qp, kv_pos, qs, kv_seg, causal), attend_row, grads, skip_masked)
+        return _if(count is None or count[i] > 0, attend_row, grads, skip_masked)
 
-    return lax.fori_loop(0, t // bq, per_query_block, tuple(grads))
+    run = lambda grads: lax.fori_loop(0, t // bq, per_query_block, tuple(grads))  # noqa: E731
+    return _if(some, run, tuple(grads), skip_masked)
 
 
 # Every attention kernel tags its output OUT_NAME and the log-sum-exp its backward reads LSE_NAME
@@ -350,17 +409,22 @@ def output_delta(out, dout):
 # --------------------------------------------------------------------------------------------
 
 
-def dot_product_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True):
+def dot_product_attention(
+    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True,
+    window: int = 0, softcap: float = 0.0, scale: float | None = None,
+):  # fmt: skip
     """Plain attention that materialises the [T, S] score matrix: the reference (also for the decode
     kernel, `meshlm.ops.decode`, whose empty cache slots have kv_positions < 0).
 
-    See the module docstring for shapes and the masking rule. Differentiable by ordinary autodiff (the
-    backward recomputes the probabilities from q and k; the output is tagged OUT_NAME).
+    See the module docstring for shapes and the masking rule; `window` (sliding-window attention),
+    `softcap` and `scale` as in `attention_mask`, `soft_cap` and `score_scale`. Differentiable by
+    ordinary autodiff (the backward recomputes the probabilities from q and k; the output is tagged
+    OUT_NAME).
     """
     check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal)
+    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, window)
     grouped_q = _heads_major(group_queries(q, k.shape[2]))
-    scores = jnp.where(mask[:, None, None], _scores(grouped_q, k), -jnp.inf)
+    scores = jnp.where(mask[:, None, None], _scores(grouped_q, k, scale, softcap), -jnp.inf)
     m = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     p = jnp.exp(scores - jnp.where(m == -jnp.inf, 0.0, m))  # masked -> exactly 0
     l = jnp.sum(p, axis=-1, keepdims=True)
@@ -376,6 +440,9 @@ class _Blocks(NamedTuple):
     block_q: int
     block_kv: int
     skip_masked: bool  # False for one (query block, key block) pair: see `forward_chunk`
+    window: int = 0
+    softcap: float = 0.0
+    scale: float | None = None
 
 
 def _blockwise_forward(cfg: _Blocks, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
@@ -410,21 +477,24 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 def blockwise_attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    causal=True, block_q=512, block_kv=512,
+    causal=True, block_q=512, block_kv=512, window: int = 0, softcap: float = 0.0, scale: float | None = None,
 ):  # fmt: skip
     """Flash-style attention: online softmax over key blocks, never a [T, S] matrix.
 
     Same inputs, masking and result as `dot_product_attention` (module docstring). Block sizes
     are clamped to T / S; T and S must then be divisible by them (ValueError otherwise).
-    Fully masked (query block, key block) pairs, e.g. above the causal diagonal, are skipped (when
-    there are several; a single pair is computed with no conditional).
+    Fully masked (query block, key block) pairs, e.g. above the causal diagonal or outside a
+    sliding `window`, are never visited (when there are several; a single pair is computed with no
+    conditional): a window of W costs O(T * W).
     The gradient is a `custom_vjp` that recomputes the scores block by block from the saved
     log-sum-exp, so forward + backward memory is linear in T.
     """
     check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     bq, bk = block_sizes(q.shape[1], k.shape[1], block_q, block_kv)
     out = _blockwise(
-        _Blocks(bool(causal), bq, bk, (bq, bk) != (q.shape[1], k.shape[1])), group_queries(q, k.shape[2]), k, v,
+        _Blocks(bool(causal), bq, bk, (bq, bk) != (q.shape[1], k.shape[1]), int(window), float(softcap),
+                None if scale is None else float(scale)),
+        group_queries(q, k.shape[2]), k, v,
         q_positions, kv_positions, q_segment_ids, kv_segment_ids,
     )  # fmt: skip
     return ungroup_queries(out)

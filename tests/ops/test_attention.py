@@ -9,9 +9,12 @@ import pytest
 
 from meshlm.ops.attention import (
     block_may_attend,
+    block_table,
     blockwise_attention,
     dot_product_attention,
+    key_block_lists,
 )
+from meshlm.ops.attention import attention_mask as attn_mask
 from tests.support.attention import ATOL, assert_all_close, make_inputs, reference, value_and_grads
 
 
@@ -132,3 +135,77 @@ def test_blockwise_memory_grows_linearly_in_length():
     dense = [_fwd_bwd_bytes(dot_product_attention, t) for t in (small, big)]
     assert dense[1] / dense[0] > 10, dense  # the reference really is quadratic: the check can fail
     assert blockwise[1] < dense[1] / 20
+
+
+# --------------------------------------------------------------------------------------------
+# Sliding-window (local) attention, soft-capping and a custom scale
+# --------------------------------------------------------------------------------------------
+
+
+def test_window_mask_against_numpy():
+    """A query at position p sees exactly the keys at p-W+1 .. p (transformers' sliding window:
+    kv_idx > q_idx - W), for shuffled positions, empty slots and without the causal mask."""
+    rng = np.random.default_rng(0)
+    q_pos = rng.permutation(40)[None].astype(np.int32)
+    kv_pos = np.where(rng.random(40) < 0.2, -1, rng.permutation(40))[None].astype(np.int32)
+    for causal, window in [(True, 1), (True, 7), (False, 7), (True, 0)]:
+        got = np.asarray(attn_mask(q_pos, kv_pos, None, None, causal, window))[0]
+        want = np.zeros_like(got)
+        for i, p in enumerate(q_pos[0]):
+            for j, kp in enumerate(kv_pos[0]):
+                seen = range(p - window + 1, p + 1) if causal and window else None
+                if kp < 0:
+                    continue
+                if seen is not None:
+                    want[i, j] = kp in seen
+                else:
+                    want[i, j] = (kp <= p or not causal) and (not window or p - kp < window)
+        np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} window={window}")
+
+
+def test_dense_window_softcap_scale_against_numpy():
+    """The reference itself: softmax over the window of softcap * tanh(scale * q.k / softcap)."""
+    q, k, v, _, pos, _ = make_inputs(4, b=1, t=24, h=2, kvh=1, d=8)
+    window, softcap, scale = 5, 2.0, 0.7
+    out = dot_product_attention(q, k, v, q_positions=pos, kv_positions=pos, window=window, softcap=softcap, scale=scale)
+    for head in range(2):
+        scores = softcap * np.tanh(scale * q[0, :, head] @ k[0, :, 0].T / softcap)
+        p_q, p_k = pos[0][:, None], pos[0][None, :]
+        scores = np.where((p_k <= p_q) & (p_q - p_k < window), scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        want = (p / p.sum(-1, keepdims=True)) @ v[0, :, 0]
+        np.testing.assert_allclose(out[0, :, head], want, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "packed, causal, kw",
+    [
+        (False, True, dict(window=10)),  # shorter than a key block
+        (True, True, dict(window=40, softcap=3.0)),  # longer than a block, documents, soft cap
+        (False, True, dict(softcap=1.5, scale=0.4)),  # global, soft cap and a custom scale
+        (False, False, dict(window=24)),  # not causal: every key ahead, and 23 behind
+    ],
+    ids=["window_short", "window_long_softcap_packed", "softcap_scale", "window_not_causal"],
+)
+def test_blockwise_window_softcap_scale_match_reference(packed, causal, kw):
+    """Values and gradients (the hand-written backward: d softcap * tanh(s / softcap) / ds = 1 - tanh^2)."""
+    q, k, v, dout, pos, seg = make_inputs(5, packed=packed)
+    got = jax.jit(
+        lambda *a: value_and_grads(blockwise_attention, *a, causal, block_q=32, block_kv=16, **kw)
+    )(q, k, v, dout, pos, seg)
+    want = jax.jit(lambda *a: value_and_grads(dot_product_attention, *a, causal, **kw))(q, k, v, dout, pos, seg)
+    assert_all_close(got, want)
+
+
+def test_window_visits_only_the_blocks_it_needs():
+    """At T = 1024 in blocks of 64 with a window of 128, each query block visits at most 3 key blocks
+    (its own and the 2 behind), never the 16 a pass over the row would: O(T * W) work."""
+    pos = jnp.arange(1024, dtype=jnp.int32)[None]
+    table = block_table(pos, pos, None, None, True, 128, 64, 64)
+    order, count = key_block_lists(table)
+    np.testing.assert_array_equal(count, np.minimum(np.arange(16) + 1, 3))
+    np.testing.assert_array_equal(order[10, :3], [8, 9, 10])
+    assert not block_may_attend(pos[:, 512:576], pos[:, :64], None, None, causal=True, window=128)
+    # The nearest pair is query 512, key 383: 129 apart.
+    assert block_may_attend(pos[:, 512:576], pos[:, 320:384], None, None, causal=True, window=130)
+    assert not block_may_attend(pos[:, 512:576], pos[:, 320:384], None, None, causal=True, window=129)
