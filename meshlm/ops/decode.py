@@ -6,16 +6,19 @@
     kv_positions  [B, S] int32   s where slot s holds a token, else -1
     output        [B, T, H, D]   in q's dtype
 
-A query attends the filled slots at or before its own position; softmax in float32, scale 1/sqrt(D).
+A query attends the filled slots at or before its own position (and, with a sliding `window` W, fewer
+than W positions behind it); softmax in float32, scores scaled (1/sqrt(D) unless `scale` is given) and
+optionally soft-capped (`softcap`), as in `meshlm.ops.attention.dot_product_attention`.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
+
+from meshlm.ops.attention import attention_mask, score_scale, soft_cap
 
 
-def decode_attention(q, k_cache, v_cache, q_positions, kv_positions):
+def decode_attention(q, k_cache, v_cache, q_positions, kv_positions, *, window=0, softcap=0.0, scale=None):
     """New queries [B, T, H, D] against the whole cache [B, S, K, D]; empty and future slots are masked.
 
     Both products are plain matmuls over the cache as it lies, [B, S, K·D], against the queries laid
@@ -30,10 +33,11 @@ def decode_attention(q, k_cache, v_cache, q_positions, kv_positions):
     G = H // K
     f32 = jnp.float32
     eye = jnp.eye(K, dtype=f32)
-    qg = q.astype(f32).reshape(B, T, K, G, D) * (1.0 / np.sqrt(D))
+    qg = q.astype(f32).reshape(B, T, K, G, D) * score_scale(scale, D)
     q_blocks = jnp.einsum("btjgd,kj->bkdtjg", qg, eye).reshape(B, K * D, T * H)
     scores = jnp.einsum("bsx,bxy->bsy", k_cache.reshape(B, S, K * D).astype(f32), q_blocks)  # [B, S, T·H]
-    allowed = (kv_positions[:, :, None] >= 0) & (kv_positions[:, :, None] <= q_positions[:, None, :])  # [B, S, T]
+    scores = soft_cap(scores, softcap)
+    allowed = jnp.swapaxes(attention_mask(q_positions, kv_positions, None, None, True, window), 1, 2)  # [B, S, T]
     scores = jnp.where(allowed[..., None], scores.reshape(B, S, T, H), -jnp.inf)
     top = jnp.max(scores, axis=1, keepdims=True)
     p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # masked slots: exactly 0

@@ -4,12 +4,12 @@ Both take one device's arrays in the layout of `meshlm.ops.attention` (q [B,T,H,
 and return [B,T,H,D] in q's dtype, masking by index (causal self-attention). Neither contains an XLA
 `conditional`: each is one fused kernel per pass, with its own block skipping.
 
-- `cudnn_attention`: `jax.nn.dot_product_attention(implementation="cudnn")`. Grouped queries native;
-  bfloat16/float16 only. With segment ids it runs cuDNN's packed layout (`cudnn_packed_attention`:
-  each document's offset and length, Hopper and later), which the public call does not expose.
+- `cudnn_attention`: `jax.nn.dot_product_attention(implementation="cudnn")`. Grouped queries native,
+  sliding windows, no soft cap; bfloat16/float16 only. With segment ids it runs cuDNN's packed layout
+  (`cudnn_packed_attention`: each document's offset and length, Hopper and later).
 - `triton_attention`: `jax.experimental.pallas.ops.gpu.attention.mha`, which masks segment ids and
-  runs in any dtype. It has no grouped queries: k and v are repeated to the query heads (the
-  gradient sums the copies back).
+  runs in any dtype; no sliding window, no soft cap, no grouped queries: k and v are repeated to the
+  query heads (the gradient sums the copies back).
 
 `interpret=True` runs cudnn's call as its XLA implementation and the Triton kernel in Pallas
 interpret mode, on any backend: how their use here is tested on CPU.
@@ -42,28 +42,48 @@ def cudnn_attention(
     causal: bool = True,
     interpret: bool = False,
     max_documents: int = MAX_DOCUMENTS,
+    window: int = 0,
+    softcap: float = 0.0,
+    scale: float | None = None,
 ):
-    """cuDNN flash attention (scale 1/sqrt(D)); with `segment_ids`, over packed documents
-    (`cudnn_packed_attention`). `block` is not used. `interpret`: the same masks through XLA."""
+    """cuDNN flash attention (scale 1/sqrt(D) unless given); with `segment_ids`, over packed documents
+    (`cudnn_packed_attention`). A sliding `window` W is cuDNN's local window (W-1 keys behind, none
+    ahead). `block` is not used; cuDNN has no soft cap (`softcap` must be 0). `interpret`: the same
+    masks through XLA."""
     del block
+    if softcap:
+        raise ValueError("cuDNN attention has no logit soft cap")
+    scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
+    local = (window - 1, 0) if window else None
     if interpret:
         mask = None
         if segment_ids is not None:
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=causal, scale=scale, local_window_size=local, implementation="xla"
+        )
     elif segment_ids is not None:
-        out = cudnn_packed_attention(q, k, v, segment_ids, max_segments=max_documents, causal=causal)
+        out = cudnn_packed_attention(
+            q, k, v, segment_ids, max_segments=max_documents, causal=causal, window=window, scale=scale
+        )
     else:
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, local_window_size=local, implementation="cudnn"
+        )
     return out.astype(q.dtype)
 
 
 def triton_attention(
-    q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True, interpret: bool = False
-):
-    """The Pallas (Triton) flash kernel, with the segment-id mask; T must be a multiple of `block`
-    (default `triton_block`)."""
+    q, k, v, segment_ids=None, *, block: int | None = None, causal: bool = True, interpret: bool = False,
+    window: int = 0, softcap: float = 0.0, scale: float | None = None,
+):  # fmt: skip
+    """The Pallas (Triton) flash kernel, with the segment-id mask and `scale` (1/sqrt(D) unless given);
+    T must be a multiple of `block` (default `triton_block`). The kernel has neither a sliding window
+    nor a soft cap: `window` and `softcap` must be 0."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
+    if window or softcap:
+        raise ValueError("the Triton attention kernel has no sliding window and no soft cap")
 
     block = block or triton_block(q.dtype, q.shape[-1])
     t, heads, d = q.shape[1], q.shape[2], q.shape[3]
@@ -77,7 +97,8 @@ def triton_attention(
         block_q=block, block_k=block, block_q_dkv=backward, block_kv_dkv=backward,
         block_q_dq=backward, block_kv_dq=backward,
     )  # fmt: skip
-    out = pallas_gpu.mha(q, k, v, segment_ids, sm_scale=1.0 / d**0.5, causal=causal, block_sizes=blocks,
+    sm_scale = 1.0 / d**0.5 if scale is None else scale
+    out = pallas_gpu.mha(q, k, v, segment_ids, sm_scale=sm_scale, causal=causal, block_sizes=blocks,
                          interpret=interpret)  # fmt: skip
     return out.astype(q.dtype)
 
@@ -100,10 +121,14 @@ def segment_offsets(segment_ids, max_segments: int):
     return seqlens, offsets
 
 
-def cudnn_packed_attention(q, k, v, segment_ids, *, max_segments: int = MAX_DOCUMENTS, causal: bool = True):
+def cudnn_packed_attention(
+    q, k, v, segment_ids, *, max_segments: int = MAX_DOCUMENTS, causal: bool = True, window: int = 0,
+    scale: float | None = None,
+):  # fmt: skip
     """cuDNN flash attention over packed documents (Hopper and later): the rows' documents, read from
     `segment_ids` [B, T], are passed as cuDNN's packed layout (per-document lengths and offsets), each
-    attending causally within itself. Runs on a GPU only (no XLA twin).
+    attending causally within itself (within its last `window` tokens if given; cuDNN's sliding
+    window length, as `jax.nn.dot_product_attention` passes it). Runs on a GPU only (no XLA twin).
 
     cuDNN's backward takes a float32 workspace of [B x max_segments, T, heads, head_dim], and its time
     grows with it too (docs/kernels.md measures both): keep max_segments near the documents a row holds."""
@@ -111,6 +136,7 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, max_segments: int = MAX_DOCU
 
     seqlens, offsets = segment_offsets(segment_ids, max_segments)
     mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    out = cudnn.dot_product_attention(q, k, v, None, None, seqlens, seqlens, offsets, offsets,
-                                      scale=1.0 / q.shape[-1] ** 0.5, mask_type=mask)  # fmt: skip
+    scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
+    out = cudnn.dot_product_attention(q, k, v, None, None, seqlens, seqlens, offsets, offsets, scale=scale,
+                                      mask_type=mask, sliding_window_length=window or None)  # fmt: skip
     return out.astype(q.dtype)

@@ -59,6 +59,8 @@ class Call(NamedTuple):
     causal: bool
     interpret: bool = False
     gpu_capability: float | None = None  # the GPU's compute capability (9.0 for Hopper); None: not known
+    window: int = 0  # sliding-window (local) attention over this many positions; 0: global
+    softcap: float = 0.0  # attention-logit soft cap; 0: none
 
 
 # cuDNN's packed-document layout (per-document offsets) runs on Hopper and later GPUs only.
@@ -94,6 +96,10 @@ def why_not(kernel: str, call: Call) -> str | None:
             return f"needs a head_dim that is a multiple of 8 and at most 128, not {call.head_dim}"
     if kernel == "triton" and call.head_dim > 256:
         return f"needs a head_dim of at most 256, not {call.head_dim}"
+    if kernel == "triton" and call.window:
+        return "has no sliding-window (local) attention; --attention=blockwise has"
+    if kernel in ("cudnn", "triton") and call.softcap:
+        return "has no attention-logit soft-capping; --attention=blockwise has"
     return None
 
 
@@ -135,25 +141,28 @@ def gpu_capability() -> float | None:
 def attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True,
     kernel: str = "auto", platform: str | None = None, layout: Layout | None = None, interpret: bool = False,
-    max_documents: int = MAX_DOCUMENTS,
+    max_documents: int = MAX_DOCUMENTS, window: int = 0, softcap: float = 0.0, scale: float | None = None,
 ):  # fmt: skip
     """Attention by the kernel `choose` picks for `platform` (default: where JAX runs): [B,T,H,D] out.
 
     See the module docstring; the fused kernels read only `q_segment_ids` (self-attention) and no
-    positions. `layout`: the arrays' mesh and specs, for the kernels XLA cannot partition.
+    positions. `window` (sliding-window attention), `softcap` and `scale` as in
+    `meshlm.ops.attention.dot_product_attention`. `layout`: the arrays' mesh and specs, for the kernels XLA cannot partition.
     `max_documents`: the most documents a row holds, for cuDNN's packed layout (`gpu.segment_offsets`)."""
     attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     call = Call(
         platform=platform or default_platform(), q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[3],
         dtype=jnp.dtype(q.dtype).name, packed=q_segment_ids is not None, causal=bool(causal), interpret=interpret,
+        window=int(window), softcap=float(softcap),
     )  # fmt: skip
     if call.platform == "gpu":
         call = call._replace(gpu_capability=gpu_capability())
     name = choose(kernel, call)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, causal=causal)  # fmt: skip
+    scores = dict(window=call.window, softcap=call.softcap, scale=scale)
     if name == "dense":
-        return attn.dot_product_attention(q, k, v, **kw)
+        return attn.dot_product_attention(q, k, v, **kw, **scores)
     if name == "blockwise":
         # Per shard, so that the blocks each device skips are decided from its own rows: partitioned by
         # XLA, every skip test would be an all-reduce over the batch's devices (a rendezvous per block).
@@ -161,21 +170,18 @@ def attention(
 
         def local(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
             return padded_blockwise(
-                q,
-                k,
-                v,
-                q_positions=q_pos,
-                kv_positions=kv_pos,
-                q_segment_ids=q_seg,
-                kv_segment_ids=kv_seg,
-                causal=causal,
-            )
+                q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                causal=causal, **scores,
+            )  # fmt: skip
 
         return _per_shard(local, args, layout, check_vma=True)
-    return _fused(name, q, k, v, q_segment_ids, layout, interpret, max_documents)
+    return _fused(name, q, k, v, q_segment_ids, layout, interpret, max_documents, scores)
 
 
-def padded_blockwise(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True):
+def padded_blockwise(
+    q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, causal=True,
+    window: int = 0, softcap: float = 0.0, scale: float | None = None,
+):  # fmt: skip
     """`blockwise_attention` on lengths padded to whole blocks of at most BLOCK tokens: padded keys get
     position -1 (masked), padded queries are dropped from the output."""
     t, s = q.shape[1], k.shape[1]
@@ -189,7 +195,8 @@ def padded_blockwise(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, 
     kv_positions = _pad(kv_positions, sp, -1)
     out = attn.blockwise_attention(
         q, k, v, q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, causal=causal, block_q=bq, block_kv=bk,
+        kv_segment_ids=kv_segment_ids, causal=causal, block_q=bq, block_kv=bk, window=window, softcap=softcap,
+        scale=scale,
     )  # fmt: skip
     return out[:, :t]
 
@@ -203,8 +210,9 @@ def _pad(x, length: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool, max_documents: int):
-    """Run one of the fused kernels on lengths padded to its blocks, per shard under a mesh."""
+def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bool, max_documents: int, scores: dict):
+    """Run one of the fused kernels on lengths padded to its blocks, per shard under a mesh. `scores`:
+    window, softcap and scale (`why_not` has refused what the kernel cannot do)."""
     if name == "splash":
         from meshlm.ops.splash import MAX_BLOCK
         from meshlm.ops.splash import splash_attention as kernel
@@ -226,7 +234,7 @@ def _fused(name: str, q, k, v, segment_ids, layout: Layout | None, interpret: bo
     q, k, v, segment_ids = (_pad(x, tp, 0) for x in (q, k, v, segment_ids))
 
     def local(q, k, v, segment_ids=None):
-        return kernel(q, k, v, segment_ids, block=block, interpret=interpret)
+        return kernel(q, k, v, segment_ids, block=block, interpret=interpret, **scores)
 
     # Pallas calls declare no varying mesh axes for their outputs: check_vma cannot type them.
     args = [q, k, v] + ([] if segment_ids is None else [segment_ids])

@@ -78,3 +78,20 @@ def test_triton_equals_blockwise_on_gpu(dtype):
     )
     errors = _relative_errors(got, ref)
     assert max(errors.values()) < (5e-3 if dtype == "float32" else 2e-2), errors
+
+
+@needs_gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_cudnn_window_equals_blockwise_on_gpu(packed):
+    """cuDNN's sliding window (and a custom scale), unpacked and in its packed-document layout."""
+    q, k, v, pos, seg, dout = _problem([[300, 500, 224], [1024]] if packed else [[1024], [1024]])
+    if not packed:
+        pos, seg = jnp.broadcast_to(jnp.arange(1024, dtype=jnp.int32), (2, 1024)), None
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    scores = dict(window=200, scale=0.05)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, **scores)
+    f32 = [x.astype(jnp.float32) for x in bf]
+    ref = _value_and_grads(lambda q, k, v: kernels.padded_blockwise(q, k, v, **kw), *f32, dout)
+    got = _value_and_grads(lambda q, k, v: gpu.cudnn_attention(q, k, v, seg, **scores), *bf, dout.astype(jnp.bfloat16))
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) < 2e-2, errors

@@ -35,6 +35,11 @@ def _call(platform, t=4096, dtype="bfloat16", packed=False, head_dim=128, causal
         (_call("cpu", t=256), "blockwise"),
         (_call("cpu", t=1100), "blockwise"),
         (_call("tpu", causal=False), "blockwise"),  # the fused kernels serve causal self-attention only
+        (_call("tpu")._replace(window=1024, softcap=50.0), "splash"),  # LocalMask and its soft cap
+        (_call("gpu")._replace(window=1024), "cudnn"),  # cuDNN's sliding window
+        (_call("gpu")._replace(softcap=50.0), "blockwise"),  # neither GPU kernel soft-caps
+        (_call("gpu", dtype="float32")._replace(window=1024), "blockwise"),  # Triton has no window
+        (_call("cpu", t=128)._replace(window=64, softcap=50.0), "dense"),
     ],
 )
 def test_auto_picks_the_backends_kernel(call, expected):
@@ -50,6 +55,9 @@ def test_auto_picks_the_backends_kernel(call, expected):
         ("cudnn", _call("gpu", dtype="float32"), "set --dtype=bfloat16"),
         ("cudnn", _call("gpu", head_dim=192), "head_dim"),
         ("flash", _call("gpu"), "choose one of auto"),
+        ("triton", _call("gpu")._replace(window=4096), "has no sliding-window (local) attention"),
+        ("cudnn", _call("gpu")._replace(softcap=50.0), "has no attention-logit soft-capping"),
+        ("triton", _call("gpu")._replace(softcap=50.0), "has no attention-logit soft-capping"),
     ],
 )
 def test_forced_kernel_that_cannot_serve_says_so_in_one_line(kernel, call, words):
@@ -160,5 +168,51 @@ def test_fused_kernel_runs_per_shard_on_a_mesh(kv_heads_split):
         return _value_and_grads(fn, q, k, v, dout)
 
     got = run(q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+
+
+SCORES = dict(window=70, scale=0.3)  # what the GPU kernels can do of a local layer
+
+
+def test_cudnn_window_and_scale_equal_blockwise():
+    """cuDNN's local window (W-1, 0) and scale, plain and over packed documents, through its XLA twin."""
+    q, k, v, pos, seg, dout = _problem([[60, 40, 28], [100, 28]])
+    for segments in (None, seg):
+        kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=segments, kv_segment_ids=segments)
+        if segments is None:
+            kw.update(q_positions=jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), pos.shape))
+            kw.update(kv_positions=kw["q_positions"])
+        ref = _value_and_grads(lambda q, k, v: attn.blockwise_attention(q, k, v, **kw, **SCORES), q, k, v, dout)
+        got = _value_and_grads(
+            lambda q, k, v: gpu.cudnn_attention(q, k, v, segments, interpret=True, **SCORES), q, k, v, dout
+        )
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+
+
+def test_triton_scale_equals_blockwise_and_refuses_a_window():
+    """The Triton kernel takes the scale (sm_scale); it has no window or soft cap and says so."""
+    q, k, v, pos, seg, dout = _problem([[70, 58]], heads=2, kv_heads=1, head_dim=16)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, scale=0.3)
+    ref = _value_and_grads(lambda q, k, v: attn.blockwise_attention(q, k, v, **kw), q, k, v, dout)
+    got = _value_and_grads(
+        lambda q, k, v: kernels.attention(q, k, v, **kw, kernel="triton", platform="gpu", interpret=True),
+        q, k, v, dout,
+    )  # fmt: skip
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
+    with pytest.raises(UsageError, match="--attention=triton has no sliding-window"):
+        kernels.attention(q, k, v, **kw, kernel="triton", platform="gpu", interpret=True, window=16)
+
+
+def test_padded_blockwise_window_softcap_equal_dense():
+    """The CPU dispatch's blockwise kernel (one block of 300: no conditionals) with a window, a soft cap
+    and a scale over packed documents: the dense reference's values and gradients."""
+    q, k, v, pos, seg, dout = _problem([[200, 100]], heads=2, kv_heads=1, head_dim=16)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    kw.update(window=50, softcap=2.0, scale=0.3)
+    ref = _value_and_grads(lambda q, k, v: attn.dot_product_attention(q, k, v, **kw), q, k, v, dout)
+    got = _value_and_grads(lambda q, k, v: kernels.attention(q, k, v, **kw, kernel="blockwise"), q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)

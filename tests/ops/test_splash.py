@@ -31,12 +31,13 @@ def _value_and_grads(fn, q, k, v, dout):
     return (out, *vjp(dout))
 
 
-def _compare(kernel, platform, lengths, packed):
+def _compare(kernel, platform, lengths, packed, **scores):
+    """`kernel` through the dispatch against blockwise, with `scores` (window, softcap, scale) given to both."""
     q, k, v, pos, seg, dout = _problem(lengths)
     seg = seg if packed else None
     if not packed:
         pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), pos.shape)
-    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, **scores)
     t = q.shape[1]
     ref = _value_and_grads(lambda q, k, v: blockwise_attention(q, k, v, **kw, block_q=t, block_kv=t), q, k, v, dout)
     got = _value_and_grads(
@@ -74,3 +75,16 @@ def test_splash_picked_by_auto_on_tpu(monkeypatch):
     q, k, v, pos, seg, _ = _problem([[70, 30]])
     kernels.attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
     assert seen == [((1, 128, 4, 32), (1, 128), 128)]  # padded from 100 to one block of 128
+
+
+@pytest.mark.parametrize(
+    "lengths, packed, scores",
+    [
+        ([[256]], False, dict(window=100)),  # a window shorter than a block: some blocks skipped
+        ([[90, 60, 50], [150, 50]], True, dict(window=70, softcap=2.0, scale=0.3)),  # soft cap, scale
+    ],
+    ids=["window", "window_softcap_scale_packed"],
+)
+def test_splash_local_mask_and_soft_cap_equal_blockwise(lengths, packed, scores):
+    """Splash's LocalMask (window (W-1, 0)) and attn_logits_soft_cap, values and gradients."""
+    _compare("splash", "tpu", lengths, packed, **scores)
