@@ -65,9 +65,14 @@ class _Ring(NamedTuple):
     causal: bool
     block_q: int
     block_kv: int
+    window: int = 0
+    softcap: float = 0.0
+    scale: float | None = None
 
     def blocks(self) -> dict:
-        return dict(causal=self.causal, block_q=self.block_q, block_kv=self.block_kv)
+        """The chunk functions' static arguments."""
+        return dict(causal=self.causal, block_q=self.block_q, block_kv=self.block_kv, window=self.window,
+                    softcap=self.softcap, scale=self.scale)  # fmt: skip
 
 
 def _send_to_next(tree, ring: _Ring):
@@ -169,7 +174,7 @@ def ring_block_size(requested: int, local_len: int, causal: bool) -> int:
 def ring_attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     causal=True, mesh: Mesh, axis_name: str, qkv_spec: PartitionSpec, seq_spec: PartitionSpec,
-    block_q: int = 512, block_kv: int = 512,
+    block_q: int = 512, block_kv: int = 512, window: int = 0, softcap: float = 0.0, scale: float | None = None,
 ):  # fmt: skip
     """Exact attention with the sequence sharded over mesh axis `axis_name` (RingAttention).
 
@@ -181,6 +186,9 @@ def ring_attention(
     batch and heads freely. Tokens may be in any order (e.g. `zigzag_permutation`): masking
     and block skipping use only the positions. Block sizes apply to the local shard (see
     `ring_block_size`); the local lengths must be divisible by them (ValueError otherwise).
+    `window`, `softcap`, `scale`: as in `meshlm.ops.attention.dot_product_attention`. A step whose
+    arriving shard no local query block may attend (from the blocks' position ranges, so zigzag
+    halves count apart), e.g. wholly outside the window, skips its compute; its transfer still runs.
     """
     attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     qkv_spec, seq_spec = PartitionSpec(*qkv_spec), PartitionSpec(*seq_spec)
@@ -200,6 +208,9 @@ def ring_attention(
         causal=bool(causal),
         block_q=ring_block_size(block_q, local_t, causal),
         block_kv=ring_block_size(block_kv, local_s, causal),
+        window=int(window),
+        softcap=float(softcap),
+        scale=None if scale is None else float(scale),
     )
     attn.block_sizes(local_t, local_s, ring.block_q, ring.block_kv)  # raises if they don't fit
 
