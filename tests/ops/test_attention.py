@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshlm.ops.attention import attention_mask as attn_mask
 from meshlm.ops.attention import (
     block_may_attend,
     block_table,
@@ -14,7 +15,6 @@ from meshlm.ops.attention import (
     dot_product_attention,
     key_block_lists,
 )
-from meshlm.ops.attention import attention_mask as attn_mask
 from tests.support.attention import ATOL, assert_all_close, make_inputs, reference, value_and_grads
 
 
@@ -190,9 +190,9 @@ def test_dense_window_softcap_scale_against_numpy():
 def test_blockwise_window_softcap_scale_match_reference(packed, causal, kw):
     """Values and gradients (the hand-written backward: d softcap * tanh(s / softcap) / ds = 1 - tanh^2)."""
     q, k, v, dout, pos, seg = make_inputs(5, packed=packed)
-    got = jax.jit(
-        lambda *a: value_and_grads(blockwise_attention, *a, causal, block_q=32, block_kv=16, **kw)
-    )(q, k, v, dout, pos, seg)
+    got = jax.jit(lambda *a: value_and_grads(blockwise_attention, *a, causal, block_q=32, block_kv=16, **kw))(
+        q, k, v, dout, pos, seg
+    )
     want = jax.jit(lambda *a: value_and_grads(dot_product_attention, *a, causal, **kw))(q, k, v, dout, pos, seg)
     assert_all_close(got, want)
 

@@ -183,9 +183,9 @@ def test_cudnn_window_and_scale_equal_blockwise():
         if segments is None:
             kw.update(q_positions=jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), pos.shape))
             kw.update(kv_positions=kw["q_positions"])
-        ref = _value_and_grads(lambda q, k, v: attn.blockwise_attention(q, k, v, **kw, **SCORES), q, k, v, dout)
+        ref = _value_and_grads(lambda q, k, v, kw=kw: attn.blockwise_attention(q, k, v, **kw, **SCORES), q, k, v, dout)
         got = _value_and_grads(
-            lambda q, k, v: gpu.cudnn_attention(q, k, v, segments, interpret=True, **SCORES), q, k, v, dout
+            lambda q, k, v, seg=segments: gpu.cudnn_attention(q, k, v, seg, interpret=True, **SCORES), q, k, v, dout
         )
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, err_msg=name)
