@@ -50,8 +50,8 @@ import optax  # noqa: E402
 import meshlm.models.llama as llama  # noqa: E402
 from meshlm.flops import model_flops_per_token  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
-from meshlm.models.configs import resolve_model  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
+from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.ops import kernels  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from meshlm.train.metrics import resolve_peak  # noqa: E402

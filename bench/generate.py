@@ -54,7 +54,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshlm import mesh as meshlib  # noqa: E402
-from meshlm.models.configs import PRESETS, describe, resolve_model  # noqa: E402
+from meshlm.models.configs import describe  # noqa: E402
+from meshlm.models.presets import PRESETS, resolve_model
 
 TARGETS = {"decode_b1": 3.0, "decode_b16": 5.0, "ttft": 0.5}  # ratios; TTFT is a ceiling, the rest floors
 

@@ -38,8 +38,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
-from meshlm.models.configs import resolve_model  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
+from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.ops.pipeline import build_schedule  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from meshlm.train.state import create_train_state  # noqa: E402

@@ -45,8 +45,8 @@ import numpy as np  # noqa: E402
 
 from meshlm.explain.verify import compile_step, error_percent, measure  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
-from meshlm.models.configs import resolve_model  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
+from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer  # noqa: E402
 from meshlm.plan import comms, memory, search  # noqa: E402
 from meshlm.plan.hardware import resolve_hardware  # noqa: E402

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshlm import hlo  # noqa: E402
 from meshlm.mesh import MeshShape, parse_mesh_dim  # noqa: E402
-from meshlm.models.configs import resolve_model  # noqa: E402
+from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.plan import comms, memory  # noqa: E402
 from meshlm.plan.job import Job  # noqa: E402
 

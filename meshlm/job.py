@@ -50,7 +50,7 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
     flags; `auto` dtype for `backend` (default: the one JAX runs on). Checks --seq_len against the
     model's context."""
     from meshlm.models.configs import apply_overrides
-    from meshlm.models.configs import resolve_model as preset_or_config
+    from meshlm.models.presets import resolve_model as preset_or_config
     from meshlm.platform import resolve_dtype
 
     cfg.section("precision").check()
@@ -75,7 +75,7 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
 def preset_name(name: str) -> str:
     """--model as given, or the preset it names in another case (`Tiny`); a near miss of a preset
     (`llama3-8`) that is no file is one line asking whether the preset was meant."""
-    from meshlm.models.configs import PRESETS
+    from meshlm.models.presets import PRESETS
 
     if name in PRESETS or Path(name).suffix == ".json" or Path(name).exists():
         return name

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from meshlm.models.configs import PRESETS
+from meshlm.models.presets import PRESETS
 from tests.support.cli import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

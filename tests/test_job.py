@@ -109,7 +109,7 @@ def test_serving_mesh_misfit_is_said_in_serving_terms():
     """A serving mesh the weights do not split over: plain words and meshes serve accepts (it has no
     --strategy), before anything is built."""
     from meshlm.job import resolve_serving
-    from meshlm.models.configs import PRESETS
+    from meshlm.models.presets import PRESETS
 
     model = PRESETS["test"].replace(d_model=60)  # 60 does not split over fsdp = 8
     with pytest.raises(UsageError) as err:

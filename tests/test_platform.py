@@ -240,7 +240,7 @@ def test_training_formats_that_go_wrong_are_refused(capsys, command, flags, word
 
 def test_serving_keeps_float16():
     from meshlm.job import resolve_serving
-    from meshlm.models.configs import resolve_model
+    from meshlm.models.presets import resolve_model
 
     job = resolve_serving(resolve_model("test"), mesh_dim="1,1,-1,1", dtype="float16", build=False)
     assert job.model.dtype == job.model.param_dtype == "float16"

@@ -33,7 +33,7 @@ from meshlm.checkpoint.safetensors_io import (
 )
 from meshlm.checkpoint.source import Source, slice_bounds
 from meshlm.errors import UsageError
-from meshlm.models.configs import read_hf_config, to_hf_config
+from meshlm.models.hf_config import read_hf_config, to_hf_config
 
 DEFAULT_SHARD_BYTES = 5 << 30
 

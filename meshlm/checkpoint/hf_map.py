@@ -7,7 +7,7 @@ merges. q_proj [H*D, E] -> wq [E, H, D]; o_proj [E, H*D] -> wo [H, D, E]; gate/u
 down_proj [E, M] -> [M, E]; lm_head [V, E] -> [E, V]. Both sides apply RoPE to the two halves of each head
 ("rotate half"), so q and k need no permutation.
 
-The config.json side of the mapping (validation included) is `meshlm.models.configs.from_hf_config`.
+The config.json side of the mapping (validation included) is `meshlm.models.hf_config.from_hf_config`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from meshlm.checkpoint.hf_map import Leaf, leaves
 from meshlm.checkpoint.safetensors_io import SafetensorsWriter, SliceReader, np_dtype, read_header
 from meshlm.checkpoint.source import Source
 from meshlm.errors import UsageError
-from meshlm.models.configs import read_hf_config, to_hf_config
+from meshlm.models.hf_config import read_hf_config, to_hf_config
 
 PARAMS_FILE = "params.safetensors"
 

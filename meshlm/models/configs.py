@@ -1,33 +1,56 @@
-"""Model shapes: the `ModelConfig` dataclass, named presets and Hugging Face `config.json` mapping.
+"""Model shapes: the `ModelConfig` dataclass and its `--model.FIELD=VALUE` overrides.
 
-`resolve_model("tiny", {"n_layers": "6"})` is what `--model=tiny --model.n_layers=6` becomes;
-`resolve_model("path/to/config.json")` reads a Hugging Face LLaMA config.
+Named presets and `resolve_model` (`--model=tiny` or a config.json) are `meshlm.models.presets`; the
+Hugging Face config.json mapping is `meshlm.models.hf_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from meshlm.errors import UsageError, closest
+from meshlm.errors import UsageError
+
+ROPE_SCALINGS = ("llama3", "linear", "yarn")  # the RoPE scalings `meshlm.models.rope` implements
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU with tanh-approximated gelu
+# The Hugging Face model_types meshlm runs (`meshlm.models.hf_config` maps each config.json and exports it).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 frequency scaling of RoPE (`rope_type: llama3` in Hugging Face configs)."""
+    """A RoPE frequency scaling as Hugging Face configs spell it (`rope_type` and its parameters).
+
+    llama3: long wavelengths slowed by `factor`, short kept, a smooth blend between (low/high_freq_factor).
+    linear: every frequency divided by `factor` (position interpolation).
+    yarn: per-frequency blend of interpolation and extrapolation between `beta_slow` and `beta_fast`
+    rotations, and cos/sin scaled by `attention_factor` (0: 0.1 ln(factor) + 1)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS:
+            raise UsageError(
+                f"rope_scaling type {self.kind!r} is not implemented; use one of {', '.join(ROPE_SCALINGS)}"
+            )
+        if self.factor <= 0:
+            raise UsageError(f"rope_scaling factor={self.factor} must be positive")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a LLaMA-family decoder. Every field can be overridden from the CLI."""
+    """Shape and numerics of the decoder (`meshlm.models.decoder`). Every field can be overridden from the
+    CLI as --model.FIELD. The architecture fields after `tie_embeddings` turn on what the open families
+    differ by; each is named for what it does, and its default is LLaMA's."""
 
     vocab_size: int = 32000
     d_model: int = 4096
@@ -42,6 +65,24 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # -- what the families differ by
+    family: str = "llama"  # the Hugging Face model_type written on export (weights' names, chat format)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    out_bias: bool = False  # a bias on the attention output projection
+    mlp_bias: bool = False  # biases on the MLP's three projections
+    qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2, 3)
+    norm_offset: float = 0.0  # norms scale by (norm_offset + weight): Gemma's 1 + w
+    embed_scale: bool = False  # embeddings multiplied by sqrt(d_model) (Gemma)
+    mlp_activation: str = "silu"  # see ACTIVATIONS
+    attention_scale: float = 0.0  # the score scale; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
+    attn_logit_softcap: float = 0.0  # scores -> c·tanh(scores / c) before softmax; 0: none (Gemma 2)
+    final_logit_softcap: float = 0.0  # logits -> c·tanh(logits / c); 0: none (Gemma 2)
+    sliding_window: int = 0  # local layers attend the last `sliding_window` positions (theirs included)
+    # Which layers are local ('L') and which global ('G'), repeated over the layers: "LG" alternates from
+    # a local first layer (Gemma 2), "LLLLLG" is Gemma 3's. "": every layer local when sliding_window > 0.
+    layer_pattern: str = ""
+    local_rope_theta: float = 0.0  # > 0: local layers' RoPE base, without rope_scaling (Gemma 3); 0: as global
     dtype: str = "bfloat16"  # compute dtype of matmuls; softmax and loss are always float32
     param_dtype: str = "float32"
     remat: str = "none"  # see meshlm.models.llama.REMAT_POLICIES
@@ -80,6 +121,47 @@ class ModelConfig:
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "
                 "grouped-query attention needs n_heads divisible by n_kv_heads"
             )
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The fields that select a family's variants, each refused in one line naming the fix."""
+        if self.family not in FAMILIES:
+            raise UsageError(f"--model.family={self.family!r}: choose one of {', '.join(FAMILIES)}")
+        if self.mlp_activation not in ACTIVATIONS:
+            raise UsageError(f"--model.mlp_activation={self.mlp_activation!r}: choose one of {', '.join(ACTIVATIONS)}")
+        if bad := set(self.layer_pattern) - {"L", "G"}:
+            raise UsageError(
+                f"--model.layer_pattern={self.layer_pattern!r} has {''.join(sorted(bad))!r}: write 'L' for a local "
+                "layer and 'G' for a global one, e.g. LG (alternating) or LLLLLG"
+            )
+        if "L" in self.layer_pattern and self.sliding_window <= 0:
+            raise UsageError(
+                f"--model.layer_pattern={self.layer_pattern!r} has local layers but --model.sliding_window="
+                f"{self.sliding_window}: give the window in positions"
+            )
+        for name in (
+            "sliding_window",
+            "attention_scale",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+            "local_rope_theta",
+        ):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--model.{name}={getattr(self, name)} must be >= 0 (0: off)")
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where it attends a sliding window of `sliding_window` positions."""
+        if self.sliding_window <= 0:
+            return (False,) * self.n_layers
+        pattern = self.layer_pattern or "L"
+        return tuple(pattern[i % len(pattern)] == "L" for i in range(self.n_layers))
+
+    @property
+    def pattern_period(self) -> int:
+        """The length of the repeating local/global unit (1 when every layer is alike)."""
+        kinds = self.local_layers
+        return 1 if len(set(kinds)) <= 1 else len(self.layer_pattern)
 
     @property
     def q_per_kv(self) -> int:
@@ -89,67 +171,17 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of `meshlm.models.llama.Llama` built from this config."""
+        """Exact parameter count of `meshlm.models.decoder.Decoder` built from this config."""
         e, h, k, d, m, v = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.mlp_dim, self.vocab_size
         per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * m + 2 * e
+        per_layer += (h * d + 2 * k * d) * self.qkv_bias + e * self.out_bias + (2 * m + e) * self.mlp_bias
+        per_layer += 2 * d * self.qk_norm + 2 * e * self.post_norms
         total = self.n_layers * per_layer + e  # final norm
         if include_embedding:
             total += v * e
         if not self.tie_embeddings or not include_embedding:
             total += e * v  # output head (the tied head is the embedding table)
         return total
-
-
-_LLAMA3_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
-
-PRESETS: dict[str, ModelConfig] = {
-    # For unit tests: divisible by 8 everywhere so every 8-device mesh is valid.
-    "test": ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, mlp_dim=128, max_seq_len=512),
-    # The benchmark shape, and what `make run` trains.
-    "tiny": ModelConfig(
-        vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=768, max_seq_len=2048
-    ),
-    "small": ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, mlp_dim=2048),
-    # ~1.1B, the shape used for single-accelerator throughput figures.
-    "1b": ModelConfig(
-        vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632, max_seq_len=2048
-    ),
-    "llama2-7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_dim=11008),
-    "llama2-13b": ModelConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40, mlp_dim=13824),
-    "llama2-70b": ModelConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, mlp_dim=28672),
-    "llama3-8b": ModelConfig(
-        vocab_size=128256,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        mlp_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-70b": ModelConfig(
-        vocab_size=128256,
-        d_model=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        mlp_dim=28672,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3.2-1b": ModelConfig(
-        vocab_size=128256,
-        d_model=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        mlp_dim=8192,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-        tie_embeddings=True,
-        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
-    ),
-}
 
 
 def _coerce(name: str, raw: Any, current: Any) -> Any:
@@ -160,7 +192,7 @@ def _coerce(name: str, raw: Any, current: Any) -> Any:
         if raw.lower() in ("none", "null", ""):
             return None
         if raw.lower() == "llama3":
-            return _LLAMA3_SCALING
+            return RopeScaling()
         raise UsageError(f"--model.rope_scaling={raw!r}: use 'llama3' or 'none' (or a config.json for custom factors)")
     try:
         if isinstance(current, bool):
@@ -176,126 +208,6 @@ def _coerce(name: str, raw: Any, current: Any) -> Any:
     except ValueError:
         raise UsageError(f"--model.{name}={raw!r} is not a valid {type(current).__name__}") from None
     return raw
-
-
-def read_hf_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face `config.json` file: read, validated and mapped by `from_hf_config`.
-
-    Every path that takes a config.json (`--model=`, `--init_from=hf:`, convert, serve) reads it here, so a
-    config meshlm cannot run gets the same one-line error everywhere."""
-    path = Path(path)
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(hf, dict):
-        raise UsageError(f"{path} is not a config.json (a JSON object of LlamaConfig fields)")
-    return from_hf_config(hf, str(path))
-
-
-def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """Map a Hugging Face LlamaConfig dict onto a ModelConfig; a variant meshlm's LLaMA cannot run is named
-    (`where`, the file it came from, starts the message)."""
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise UsageError(f"{where}: attention_bias/mlp_bias models are not supported (meshlm's LLaMA has no biases)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported; LLaMA uses 'silu'")
-    rope = hf.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
-    if isinstance(rope, dict):
-        hf = dict(hf)
-        hf.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-        if rope.get("rope_type", rope.get("type", "default")) != "default" and not hf.get("rope_scaling"):
-            hf["rope_scaling"] = rope
-    if {"model", "train", "mesh_dim"} <= set(hf):  # the config.json `meshlm train` writes in its run folder
-        folder = Path(where).parent if Path(where).name == "config.json" else Path(where)
-        raise UsageError(
-            f"{where} is a meshlm run's settings, not a model config; start from its weights with "
-            f"--init_from={folder}, or continue the run with --output_dir={folder}"
-        )
-    arch = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
-        raise UsageError(
-            f"{where} describes model_type={hf.get('model_type')!r}; only LLaMA-family models are supported"
-        )
-    try:
-        n_heads = hf["num_attention_heads"]
-        scaling = None
-        rs = hf.get("rope_scaling")
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind != "llama3":
-                raise UsageError(f"{where}: rope_scaling type {kind!r} is not supported; only 'llama3' is")
-            scaling = RopeScaling(
-                float(rs["factor"]),
-                float(rs.get("low_freq_factor", 1.0)),
-                float(rs.get("high_freq_factor", 4.0)),
-                int(rs.get("original_max_position_embeddings", 8192)),
-            )
-        return ModelConfig(
-            vocab_size=hf["vocab_size"],
-            d_model=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            mlp_dim=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
-    except KeyError as e:
-        close = closest(e.args[0], [k for k in hf if isinstance(k, str)], cutoff=0.8)
-        hint = f" (it has {close!r}: a misspelling?)" if close else ""
-        raise UsageError(f"{where} lacks the field {e.args[0]!r} that a LlamaConfig has{hint}") from None
-
-
-def to_hf_config(cfg: ModelConfig, weights_dtype: str | None = None) -> dict[str, Any]:
-    """The Hugging Face `config.json` dict for this model (LlamaForCausalLM); `weights_dtype` names the
-    dtype of the weights written beside it (default float32)."""
-    out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.mlp_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
-    if weights_dtype is not None:
-        out["torch_dtype"] = out["dtype"] = weights_dtype
-    return out
-
-
-def resolve_model(name_or_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """A preset name or a Hugging Face `config.json` path (or its directory), then field overrides."""
-    overrides = dict(overrides or {})
-    path = Path(name_or_path)
-    if name_or_path in PRESETS:
-        base = PRESETS[name_or_path]
-    elif path.suffix == ".json" or path.is_dir():
-        cfg_path = path / "config.json" if path.is_dir() else path
-        if not cfg_path.is_file():
-            raise UsageError(f"--model={name_or_path}: no such file {cfg_path}")
-        base = read_hf_config(cfg_path)
-    else:
-        raise UsageError(f"--model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path")
-    return apply_overrides(base, overrides)
 
 
 def apply_overrides(base: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
@@ -329,12 +241,7 @@ def describe(cfg: ModelConfig) -> str:
 __all__ = [
     "ModelConfig",
     "RopeScaling",
-    "PRESETS",
-    "resolve_model",
     "apply_overrides",
-    "from_hf_config",
-    "read_hf_config",
-    "to_hf_config",
     "describe",
     "count_params",
 ]

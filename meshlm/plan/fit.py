@@ -61,7 +61,7 @@ def peak(job: Job, shape: MeshShape, compiler: str = "cpu") -> float:
 def _changes(job: Job, shape: MeshShape):
     """(flag, job, mesh) changes to try, nearest first: more recomputation, more micro-batches, another
     mesh of the same devices, a smaller batch, shorter sequences, a smaller preset."""
-    from meshlm.models.configs import PRESETS
+    from meshlm.models.presets import PRESETS
 
     c = job.cfg
     if c.remat != "auto":

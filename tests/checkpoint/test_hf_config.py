@@ -9,7 +9,8 @@ from meshlm.checkpoint.convert import convert_from_hf
 from meshlm.checkpoint.params_folder import PARAMS_FILE
 from meshlm.checkpoint.weights import read_model_config
 from meshlm.errors import UsageError
-from meshlm.models.configs import from_hf_config, read_hf_config, resolve_model
+from meshlm.models.hf_config import from_hf_config, read_hf_config
+from meshlm.models.presets import resolve_model
 from tests.support.hf import small_hf_config, write_numpy_hf
 
 BAD = {

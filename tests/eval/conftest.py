@@ -16,8 +16,8 @@ def save_checkpoint(root: Path, preset: str, seed: int = 0) -> Path:
     from meshlm import mesh as meshlib
     from meshlm.checkpoint.convert import save_params
     from meshlm.data.tokenizer import train_tokenizer
-    from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place
+    from meshlm.models.presets import resolve_model
 
     cfg = resolve_model(preset).replace(dtype="float32", param_dtype="float32")
     one = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])

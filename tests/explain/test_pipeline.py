@@ -172,8 +172,8 @@ def test_collective_axes_from_every_spelling_of_the_groups():
 
     from meshlm.explain.analysis import collectives
     from meshlm.mesh import build_mesh, parse_mesh_dim
-    from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place
+    from meshlm.models.presets import resolve_model
 
     placement = place(
         resolve_model("test", {"n_layers": "4"}), build_mesh(parse_mesh_dim("1,2,2,1", 8, pp=2), jax.devices())

@@ -11,9 +11,10 @@ from jax.sharding import PartitionSpec as P
 from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, build_mesh
-from meshlm.models.configs import PRESETS, from_hf_config, resolve_model, to_hf_config
+from meshlm.models.hf_config import from_hf_config, to_hf_config
 from meshlm.models.llama import REMAT_POLICIES, apply_rope, rope_frequencies
 from meshlm.models.placement import place
+from meshlm.models.presets import PRESETS, resolve_model
 
 CFG = resolve_model("test", {"n_kv_heads": "2", "n_layers": "2"}).replace(dtype="float32")
 MESH = None

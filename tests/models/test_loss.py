@@ -10,9 +10,9 @@ from jax.extend.core import jaxprs_in_params
 
 from meshlm.errors import UsageError
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.loss import head_loss_sums, num_chunks, project, token_loss_sums
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.strategy import choose

@@ -7,10 +7,10 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.llama import REMAT_POLICIES
 from meshlm.models.pipelined import from_stages, pipelined_loss_and_grads, to_stages
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.train.state import abstract_state

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshlm.models.configs import PRESETS
 from meshlm.models.placement import place
+from meshlm.models.presets import PRESETS
 from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.train.state import TrainState, abstract_state
 from meshlm.train.step import make_train_step, put_batch

@@ -17,9 +17,9 @@ import pytest
 from meshlm import hlo
 from meshlm.config import REMAT
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.llama import REMAT_POLICIES
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.plan import memory
 from meshlm.plan.job import Job
 

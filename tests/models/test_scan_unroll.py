@@ -7,8 +7,8 @@ import pytest
 
 from meshlm.errors import UsageError
 from meshlm.models import llama
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.train.step import loss_sums
 from tests.models.test_loss import _batch
 from tests.support.training import mesh_for

@@ -27,7 +27,7 @@ def compile_for_v5p(model: str, batch: int, seq: int, **overrides):
 
     from meshlm.explain.verify import compile_placed
     from meshlm.mesh import parse_mesh_dim
-    from meshlm.models.configs import resolve_model
+    from meshlm.models.presets import resolve_model
     from meshlm.plan.job import Job
 
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from meshlm.mesh import parse_mesh_dim
-from meshlm.models.configs import resolve_model
+from meshlm.models.presets import resolve_model
 from meshlm.plan import search
 from meshlm.plan.cost import min_compute_bound_shard, row_parallel_intensity
 from meshlm.plan.hardware import CATALOG, resolve_hardware

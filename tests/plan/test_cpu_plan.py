@@ -72,7 +72,7 @@ def test_table_says_which_peak(capsys, fixed_probe):
 
 
 def test_chart_shows_the_bars_and_keeps_legends_off_them(fixed_probe, tmp_path):
-    from meshlm.models.configs import PRESETS
+    from meshlm.models.presets import PRESETS
     from meshlm.plan import report, search
     from meshlm.plan.hardware import resolve_hardware
     from meshlm.plan.job import Job, PipelineFlags

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from meshlm.mesh import MeshShape
-from meshlm.models.configs import PRESETS
+from meshlm.models.presets import PRESETS
 from meshlm.plan import cost, estimate, search
 from meshlm.plan.hardware import CATALOG, collective_latency_probe, matmul_rows_probe
 from meshlm.plan.job import Job

@@ -173,7 +173,7 @@ def test_a_gpu_job_that_does_not_fit_still_recomputes():
 
 
 def test_serving_that_cannot_fit_is_refused_naming_a_shorter_context(small_host):
-    from meshlm.models.configs import resolve_model
+    from meshlm.models.presets import resolve_model
 
     with pytest.raises(UsageError, match="serving needs about .* nearest change that fits: --max_seq_len="):
         joblib.resolve_serving(resolve_model("tiny", {}), mesh_dim="1,2,4,1", max_batch=256, build=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.mesh import parse_mesh_dim
-from meshlm.models.configs import resolve_model
+from meshlm.models.presets import resolve_model
 from meshlm.plan import comms, cost, estimate, memory, pipeline
 from meshlm.plan.hardware import CATALOG
 from meshlm.plan.job import Job, PipelineFlags

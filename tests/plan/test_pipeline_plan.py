@@ -21,7 +21,7 @@ import pytest
 from meshlm.cli import main
 from meshlm.errors import UsageError
 from meshlm.mesh import parse_mesh_dim
-from meshlm.models.configs import resolve_model
+from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.plan import estimate, pipeline, search
 from meshlm.plan.hardware import CATALOG

@@ -13,8 +13,8 @@ import pytest
 
 from meshlm import sharding
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.plan.state_bytes import real_bytes_per_device, state_bytes
 from meshlm.train.state import create_train_state

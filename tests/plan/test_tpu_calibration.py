@@ -17,7 +17,7 @@ import pytest
 
 from meshlm.explain.verify import compile_step, error_percent, measure, target_devices
 from meshlm.mesh import parse_mesh_dim
-from meshlm.models.configs import resolve_model
+from meshlm.models.presets import resolve_model
 from meshlm.plan import comms, memory
 from meshlm.plan.job import Job
 

@@ -16,7 +16,7 @@ import pytest
 
 from meshlm import mesh as meshlib
 from meshlm.data.tokenizer import train_tokenizer
-from meshlm.models.configs import resolve_model
+from meshlm.models.presets import resolve_model
 from meshlm.serve.api.routes import create_app
 from meshlm.serve.api.server import make_server
 from meshlm.serve.engine.batching import Engine

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from meshlm import mesh as meshlib
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.engine.request import GenerationRequest
 from meshlm.serve.engine.sampling import SamplingParams

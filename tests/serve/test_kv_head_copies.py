@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.engine.request import GenerationRequest
 from meshlm.serve.engine.sampling import SamplingParams

@@ -46,8 +46,8 @@ def checkpoint(tmp_path_factory) -> Path:
     """The `test` preset with random weights and a byte-level tokenizer, as `meshlm export` writes it."""
     from meshlm.checkpoint.convert import save_params
     from meshlm.data.tokenizer import train_tokenizer
-    from meshlm.models.configs import resolve_model
     from meshlm.models.placement import place
+    from meshlm.models.presets import resolve_model
 
     root = tmp_path_factory.mktemp("model")
     cfg = resolve_model("test").replace(dtype="float32", param_dtype="float32")

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
 from meshlm.strategy import choose
 from meshlm.train.state import create_train_state, state_shardings

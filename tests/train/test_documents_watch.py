@@ -3,7 +3,7 @@ where the job runs that kernel."""
 
 import numpy as np
 
-from meshlm.models.configs import resolve_model
+from meshlm.models.presets import resolve_model
 from meshlm.train.diagnostics import DocumentsWatch
 
 CFG = resolve_model("test", {}).replace(dtype="bfloat16", max_documents=3)

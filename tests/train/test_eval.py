@@ -16,8 +16,8 @@ from meshlm.config import TrainConfig
 from meshlm.data import held_out_rows, load_tokenizer, pack_rows, tokenize_corpus
 from meshlm.errors import UsageError
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.train.loop import train
 
 SPLIT, EVAL_BATCHES, B, T = 0.2, 2, 8, 32

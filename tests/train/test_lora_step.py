@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshlm.models.configs import resolve_model
 from meshlm.models.lora import LoraSpec, place_lora
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.optimizer import lr_schedule, make_optimizer
 from meshlm.train.state import abstract_state, create_train_state
 from meshlm.train.step import make_train_step, put_batch, sequence_permutation

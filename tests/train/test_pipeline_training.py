@@ -11,8 +11,8 @@ import pytest
 
 from meshlm.errors import UsageError
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.configs import resolve_model
 from meshlm.models.placement import place
+from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.train.loop import TrainConfig, train
