@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import meshlm.models.llama as llama  # noqa: E402
+import meshlm.models.decoder as llama  # noqa: E402
 from meshlm.flops import model_flops_per_token  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402

@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from meshlm.errors import UsageError  # noqa: E402
 from meshlm.flops import matmul_probe, model_flops_per_token  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
-from meshlm.models.llama import REMAT_POLICIES  # noqa: E402
+from meshlm.models.decoder import REMAT_POLICIES  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
 from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer  # noqa: E402

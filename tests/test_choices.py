@@ -64,7 +64,7 @@ def test_the_lora_targets_default_is_written_once():
 def test_the_flags_take_the_declared_choices():
     from meshlm import config
     from meshlm.models import remat
-    from meshlm.models.llama import REMAT_POLICIES
+    from meshlm.models.decoder import REMAT_POLICIES
     from meshlm.ops import kernels
     from meshlm.plan import remat as plan_remat
 

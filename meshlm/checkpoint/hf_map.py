@@ -66,7 +66,7 @@ class Leaf:
 
 
 def leaves(cfg: ModelConfig) -> list[Leaf]:
-    """Every parameter of `meshlm.models.llama.Llama` built from cfg, in Hugging Face file order."""
+    """Every parameter of `meshlm.models.decoder.Decoder` built from cfg, in Hugging Face file order."""
     E, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     M, V, L = cfg.mlp_dim, cfg.vocab_size, cfg.n_layers
     layer = [

@@ -85,7 +85,7 @@ class ModelConfig:
     local_rope_theta: float = 0.0  # > 0: local layers' RoPE base, without rope_scaling (Gemma 3); 0: as global
     dtype: str = "bfloat16"  # compute dtype of matmuls; softmax and loss are always float32
     param_dtype: str = "float32"
-    remat: str = "none"  # see meshlm.models.llama.REMAT_POLICIES
+    remat: str = "none"  # see meshlm.models.decoder.REMAT_POLICIES
     attention: str = "auto"  # attention kernel, see meshlm.ops.kernels
     # Training loss: positions of each row whose float32 logits exist at once (meshlm.models.loss);
     # 0: the whole sequence in one piece.

@@ -42,7 +42,7 @@ def pipelined_loss_and_grads(placement: Placement, schedule: Schedule, params: A
     """((sum of token losses, token count), gradients of the mean loss) for one batch, pipelined.
 
     Unlike the plain step, the gradients come back already divided by the token count. The stages run
-    the model's own parts (`Llama.embed_tokens`, `run_layers`, `head`) on the weights they hold."""
+    the model's own parts (`Decoder.embed_tokens`, `run_layers`, `head`) on the weights they hold."""
     cfg, mesh, model = placement.cfg, placement.mesh, placement.structure
     mb = sharding.micro_batches(batch, schedule.microbatches)
     count = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)

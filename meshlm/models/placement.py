@@ -7,7 +7,7 @@
 Parameters are plain nested dicts of arrays (`{"layers": {"attn": {"wq": ...}}}`), the same tree for
 training, checkpoints and weight conversion. With per-layer-range strategies (`[[layers]]` in a
 `--sharding_rules` file) the stacked layers are split into groups, `{"layers": {"0-15": ..., "16-31": ...}}`,
-each laid out by its own strategy and run as its own scan (`Llama.run_layers` on the group's weights);
+each laid out by its own strategy and run as its own scan (`Decoder.run_layers` on the group's weights);
 `canonical` joins them back.
 """
 
@@ -25,14 +25,14 @@ from jax.sharding import Mesh
 from meshlm import axes, sharding
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
-from meshlm.models.llama import Llama
+from meshlm.models.decoder import Decoder
 from meshlm.strategy.presets import DEFAULT
 from meshlm.strategy.rules import LayerGroup, Rules, flatten, resolve, unflatten
 
 
-def _build(cfg: ModelConfig, seed: int) -> Llama:
+def _build(cfg: ModelConfig, seed: int) -> Decoder:
     with nnx.use_eager_sharding(False):  # logical names only; placement happens through jit out_shardings
-        return Llama(cfg, nnx.Rngs(seed))
+        return Decoder(cfg, nnx.Rngs(seed))
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,7 +107,7 @@ class Placement:
         return jax.jit(lambda: self.random_params(seed), out_shardings=self.shardings)()
 
     def apply(self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, **kw) -> jax.Array:
-        """Logits [B, T, V] float32 (see `Llama.__call__` for `return_kv` and `select`). Call under jit."""
+        """Logits [B, T, V] float32 (see `Decoder.__call__` for `return_kv` and `select`). Call under jit."""
         if self.groups:
             if kw:
                 raise UsageError("per-layer-range strategies ([[layers]]) are for training; serve with one strategy")
@@ -116,7 +116,7 @@ class Placement:
             return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids, **kw)
 
     @cached_property
-    def structure(self) -> Llama:
+    def structure(self) -> Decoder:
         """The model without weights (abstract): its parts run on parameter trees given to them."""
         return nnx.eval_shape(lambda: _build(self.cfg, 0))
 
@@ -157,7 +157,7 @@ class Placement:
             return self.structure.head(x, params)
 
     def decode(self, params: Any, tokens, positions, cache_k, cache_v):
-        """One cached decode step (see `Llama.decode`), laid out by the strategy's decoding variant."""
+        """One cached decode step (see `Decoder.decode`), laid out by the strategy's decoding variant."""
         with sharding.activate(self.mesh, sharding.for_decoding(self.strategy)):
             return nnx.merge(self.graphdef, params).decode(tokens, positions, cache_k, cache_v)
 

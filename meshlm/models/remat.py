@@ -1,5 +1,5 @@
 """The rematerialisation policies `--remat` names, least recomputation (and most memory) first, and
-what each keeps for the backward pass. `meshlm.models.llama` applies them to each layer,
+what each keeps for the backward pass. `meshlm.models.decoder` applies them to each layer,
 `meshlm.plan.memory` models what they keep and `meshlm.plan.remat` chooses one for `--remat=auto`."""
 
 from __future__ import annotations

@@ -390,7 +390,7 @@ def backward_chunk(
 
 # Every attention kernel tags its output OUT_NAME and the log-sum-exp its backward reads LSE_NAME
 # (`checkpoint_name`; custom-VJP kernels tag the residuals of their forward rule): a remat policy
-# (`meshlm.models.llama.REMAT_POLICIES`) that saves both never runs the kernel's forward again.
+# (`meshlm.models.decoder.REMAT_POLICIES`) that saves both never runs the kernel's forward again.
 OUT_NAME, LSE_NAME = "attn_out", "attn_lse"
 
 

@@ -170,7 +170,7 @@ class Local:
 
     @cached_property
     def attention(self) -> str:
-        """'ring', 'blockwise' or 'dense': which kernel `meshlm.models.llama.attend` picks on CPU
+        """'ring', 'blockwise' or 'dense': which kernel `meshlm.models.decoder.attend` picks on CPU
         (`meshlm.ops.kernels.choose` for --attention=auto; a length off the blocks is padded)."""
         from meshlm.ops.kernels import DENSE_BELOW
 

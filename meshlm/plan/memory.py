@@ -115,7 +115,7 @@ def onchip_eligible(held: dict[str, int], exact: dict[str, int], shape: MeshShap
 LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
 
 
-# XLA:GPU with the layer loop unrolled (`meshlm.models.llama.scan_unroll`: all layers per iteration, the
+# XLA:GPU with the layer loop unrolled (`meshlm.models.decoder.scan_unroll`: all layers per iteration, the
 # GPU default). Each layer's saved activations are then buffers of their own, freed as soon as the
 # backward pass has read them, and each layer's weight gradients are made only when the backward pass
 # reaches it; a scanned loop instead keeps the stacked activations until the loop ends and allocates

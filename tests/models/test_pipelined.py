@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.llama import REMAT_POLICIES
+from meshlm.models.decoder import REMAT_POLICIES
 from meshlm.models.pipelined import from_stages, pipelined_loss_and_grads, to_stages
 from meshlm.models.placement import place
 from meshlm.models.presets import resolve_model

@@ -17,7 +17,7 @@ import pytest
 from meshlm import hlo
 from meshlm.config import REMAT
 from meshlm.mesh import build_mesh, parse_mesh_dim
-from meshlm.models.llama import REMAT_POLICIES
+from meshlm.models.decoder import REMAT_POLICIES
 from meshlm.models.placement import place
 from meshlm.models.presets import resolve_model
 from meshlm.plan import memory
@@ -69,7 +69,7 @@ def collective_bytes(job, policy) -> dict[str, int]:
 @pytest.mark.parametrize("job", list(JOBS))
 @pytest.mark.parametrize("policy", [*SAVING, "full"])
 def test_policies_give_the_loss_and_gradients_of_none(job, policy):
-    """(save_dots, which names nothing, is checked on dense attention with the others in test_llama.py.)"""
+    """(save_dots, which names nothing, is checked on dense attention with the others in test_decoder.py.)"""
     _, loss0, grads0 = compiled(job, "none")
     _, loss1, grads1 = compiled(job, policy)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-5)

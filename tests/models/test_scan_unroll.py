@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshlm.errors import UsageError
-from meshlm.models import llama
+from meshlm.models import decoder
 from meshlm.models.placement import place
 from meshlm.models.presets import resolve_model
 from meshlm.train.step import loss_sums

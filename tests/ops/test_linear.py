@@ -9,7 +9,7 @@ from meshlm import backends
 from meshlm.ops import linear as linear_module
 from meshlm.ops.linear import linear
 
-# Every projection of the model (meshlm.models.llama, meshlm.models.loss) with its weight's shape.
+# Every projection of the model (meshlm.models.decoder, meshlm.models.loss) with its weight's shape.
 B, T, E, H, K, D, M, V = 2, 8, 16, 4, 2, 8, 24, 32
 SPECS = {
     "bte,ehd->bthd": ((B, T, E), (E, H, D)),
