@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, build_mesh
-from meshlm.models.hf_config import from_hf_config, to_hf_config
 from meshlm.models.decoder import REMAT_POLICIES, apply_rope, rope_frequencies
+from meshlm.models.hf_config import from_hf_config, to_hf_config
 from meshlm.models.placement import place
 from meshlm.models.presets import PRESETS, resolve_model
 

@@ -53,11 +53,11 @@ def test_unrolled_layers_keep_the_remat_policy():
 def test_auto_unrolls_on_gpu_only(monkeypatch):
     cfg = resolve_model("test", {"n_layers": "4"})
     assert cfg.scan_unroll == 0
-    assert llama.scan_unroll(cfg, 4) == 1  # these tests run on CPU devices
-    monkeypatch.setattr(llama.sharding, "active_platform", lambda: "gpu")
-    assert llama.scan_unroll(cfg, 4) == 4
-    assert llama.scan_unroll(cfg.replace(scan_unroll=2), 4) == 2
-    assert llama.scan_unroll(cfg.replace(scan_unroll=9), 4) == 4
+    assert decoder.scan_unroll(cfg, 4) == 1  # these tests run on CPU devices
+    monkeypatch.setattr(decoder.sharding, "active_platform", lambda: "gpu")
+    assert decoder.scan_unroll(cfg, 4) == 4
+    assert decoder.scan_unroll(cfg.replace(scan_unroll=2), 4) == 2
+    assert decoder.scan_unroll(cfg.replace(scan_unroll=9), 4) == 4
 
 
 @pytest.mark.parametrize("field, value", [("scan_unroll", "-1"), ("max_documents", "0")])
