@@ -1,8 +1,9 @@
-"""A Hugging Face LlamaForCausalLM folder, read (`HFSource`) and written (`write_hf`) one tensor at a time.
+"""A Hugging Face *ForCausalLM folder, read (`HFSource`) and written (`write_hf`) one tensor at a time.
 
 The folder: config.json + model.safetensors, or model-0000k-of-0000n.safetensors with
 model.safetensors.index.json; one tensor per layer ("model.layers.3.mlp.up_proj.weight" [M, E]), in the
-layouts `hf_map` describes; tokenizer files and generation_config.json beside them.
+layouts `hf_map` describes; tokenizer files and generation_config.json beside them. A Gemma 3 folder with
+images (Gemma3ForConditionalGeneration) is read for its text model, whose tensors sit under another prefix.
 
 Reading a whole tensor goes through `Entry.read_rows` (no memory map) and reshapes it as a view; reading a
 device's slice slices the Hugging Face tensor on the outermost meshlm dimension of each of its dimensions and
@@ -36,10 +37,12 @@ from meshlm.errors import UsageError
 from meshlm.models.hf_config import read_hf_config, to_hf_config
 
 DEFAULT_SHARD_BYTES = 5 << 30
+# Where a text model's "model." tensors sit in a multimodal checkpoint: transformers 5, then 4's files.
+TEXT_MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
 
 class HFSource(Source):
-    """A Hugging Face LlamaForCausalLM folder: config.json and *.safetensors (sharded with an index, or not)."""
+    """A Hugging Face *ForCausalLM folder: config.json and *.safetensors (sharded with an index, or not)."""
 
     def __init__(self, directory: str | Path):
         d = Path(directory)
@@ -58,21 +61,23 @@ class HFSource(Source):
         self.entries: dict[str, Entry] = {}
         for f in files:
             self.entries.update(read_header(f))
+        prefix = next((p for p in TEXT_MODEL_PREFIXES if p + "embed_tokens.weight" in self.entries), "model.")
+        self.names: dict[str, Entry] = {}  # hf_map's name -> the name in these files
         for leaf in leaves(self.cfg):
             for i in leaf.blocks():
-                entry = self.entries.get(leaf.hf_name(i))
+                name = leaf.hf_name(i)
+                entry = self.entries.get(prefix + name.removeprefix("model.") if name.startswith("model.") else name)
                 if entry is None:
                     hint = " (config.json says tie_word_embeddings=false)" if leaf.path == ("lm_head",) else ""
-                    raise UsageError(f"{d} has no tensor {leaf.hf_name(i)}{hint}; is it a LlamaForCausalLM checkpoint?")
+                    raise UsageError(f"{d} has no tensor {name}{hint}; is it a {self.cfg.family} checkpoint?")
                 if entry.shape != leaf.hf_shape:
-                    raise UsageError(
-                        f"{d}: {leaf.hf_name(i)} has shape {entry.shape} but config.json implies {leaf.hf_shape}"
-                    )
+                    raise UsageError(f"{d}: {name} has shape {entry.shape} but config.json implies {leaf.hf_shape}")
+                self.names[name] = entry
         self.carried = carried_files(d)
         self._slices = SliceReader()
 
     def _entry(self, leaf: Leaf, layer: int | None) -> Entry:
-        return self.entries[leaf.hf_name(layer)]
+        return self.names[leaf.hf_name(layer)]
 
     def dtype(self, leaf: Leaf) -> np.dtype:
         return self._entry(leaf, 0 if leaf.layers else None).dtype
@@ -111,7 +116,7 @@ def write_hf(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     flag: str = "--to_hf",
 ) -> Path:
-    """Write a Hugging Face LlamaForCausalLM folder that `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+    """Write the family's Hugging Face *ForCausalLM folder (`AutoModelForCausalLM.from_pretrained` loads it)."""
     out = Path(hf_dir).expanduser()
     check_out(out, flag)
     all_leaves = leaves(source.cfg)

@@ -1,11 +1,13 @@
-"""The map between meshlm's parameter tree and Hugging Face LlamaForCausalLM tensors: names and layouts.
+"""The map between meshlm's parameter tree and Hugging Face *ForCausalLM tensors: names and layouts.
 
 One `Leaf` per meshlm parameter says which Hugging Face tensor it comes from ("{i}" is the layer index of a
 leaf stacked on a leading [L] axis) and how the layouts relate: every meshlm leaf is a transpose of a reshape
 of the Hugging Face tensor, and `Leaf.groups` says which meshlm dimensions each Hugging Face dimension
 merges. q_proj [H*D, E] -> wq [E, H, D]; o_proj [E, H*D] -> wo [H, D, E]; gate/up_proj [M, E] -> [E, M];
-down_proj [E, M] -> [M, E]; lm_head [V, E] -> [E, V]. Both sides apply RoPE to the two halves of each head
-("rotate half"), so q and k need no permutation.
+down_proj [E, M] -> [M, E]; lm_head [V, E] -> [E, V]; q_proj.bias [H*D] -> bq [H, D]. The names are the
+same in every family but one: Gemma 2/3's post_attention_layernorm follows attention (post_attn_norm), and
+their MLP's input norm is pre_feedforward_layernorm. Norm weights keep the file's values. Both sides apply
+RoPE to the two halves of each head ("rotate half"), so q and k need no permutation.
 
 The config.json side of the mapping (validation included) is `meshlm.models.hf_config.from_hf_config`.
 """
@@ -66,23 +68,38 @@ class Leaf:
 
 
 def leaves(cfg: ModelConfig) -> list[Leaf]:
-    """Every parameter of `meshlm.models.decoder.Decoder` built from cfg, in Hugging Face file order."""
+    """Every parameter of `meshlm.models.decoder.Decoder` built from cfg, in Hugging Face file order: the
+    optional ones (biases, q/k norms, post-norms) where cfg turns them on."""
     E, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     M, V, L = cfg.mlp_dim, cfg.vocab_size, cfg.n_layers
-    layer = [
-        (("attn_norm", "scale"), "input_layernorm.weight", (E,), ((0,),)),
-        (("attn", "wq"), "self_attn.q_proj.weight", (E, H, D), ((1, 2), (0,))),
-        (("attn", "wk"), "self_attn.k_proj.weight", (E, K, D), ((1, 2), (0,))),
-        (("attn", "wv"), "self_attn.v_proj.weight", (E, K, D), ((1, 2), (0,))),
-        (("attn", "wo"), "self_attn.o_proj.weight", (H, D, E), ((2,), (0, 1))),
-        (("mlp_norm", "scale"), "post_attention_layernorm.weight", (E,), ((0,),)),
-        (("mlp", "gate"), "mlp.gate_proj.weight", (E, M), ((1,), (0,))),
-        (("mlp", "up"), "mlp.up_proj.weight", (E, M), ((1,), (0,))),
-        (("mlp", "down"), "mlp.down_proj.weight", (M, E), ((1,), (0,))),
-    ]
+    vec = ((0,),)
+    layer = [(("attn_norm", "scale"), "input_layernorm.weight", (E,), vec)]
+    for name, proj, heads in (("q", "q_proj", H), ("k", "k_proj", K), ("v", "v_proj", K)):
+        layer.append((("attn", f"w{name}"), f"self_attn.{proj}.weight", (E, heads, D), ((1, 2), (0,))))
+        if cfg.qkv_bias:
+            layer.append((("attn", f"b{name}"), f"self_attn.{proj}.bias", (heads, D), ((0, 1),)))
+    layer.append((("attn", "wo"), "self_attn.o_proj.weight", (H, D, E), ((2,), (0, 1))))
+    if cfg.out_bias:
+        layer.append((("attn", "bo"), "self_attn.o_proj.bias", (E,), vec))
+    if cfg.qk_norm:
+        layer += [(("attn", f"{n}_norm", "scale"), f"self_attn.{n}_norm.weight", (D,), vec) for n in "qk"]
+    if cfg.post_norms:  # Gemma 2/3: a norm after attention, and the MLP's input norm under another name
+        layer.append((("post_attn_norm", "scale"), "post_attention_layernorm.weight", (E,), vec))
+        layer.append((("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", (E,), vec))
+        layer.append((("post_mlp_norm", "scale"), "post_feedforward_layernorm.weight", (E,), vec))
+    else:
+        layer.append((("mlp_norm", "scale"), "post_attention_layernorm.weight", (E,), vec))
+    for name, proj, shape, groups, bias in (
+        ("gate", "gate_proj", (E, M), ((1,), (0,)), M),
+        ("up", "up_proj", (E, M), ((1,), (0,)), M),
+        ("down", "down_proj", (M, E), ((1,), (0,)), E),
+    ):
+        layer.append((("mlp", name), f"mlp.{proj}.weight", shape, groups))
+        if cfg.mlp_bias:
+            layer.append((("mlp", f"b_{name}"), f"mlp.{proj}.bias", (bias,), vec))
     out = [Leaf(("embed",), "model.embed_tokens.weight", (V, E), ((0,), (1,)))]
     out += [Leaf(("layers", *p), "model.layers.{i}." + n, s, g, L) for p, n, s, g in layer]
-    out.append(Leaf(("final_norm", "scale"), "model.norm.weight", (E,), ((0,),)))
+    out.append(Leaf(("final_norm", "scale"), "model.norm.weight", (E,), vec))
     if not cfg.tie_embeddings:
         out.append(Leaf(("lm_head",), "lm_head.weight", (E, V), ((1,), (0,))))
     return out

@@ -14,11 +14,13 @@ from meshlm.models.presets import resolve_model
 from tests.support.hf import small_hf_config, write_numpy_hf
 
 BAD = {
-    "attention_bias": (dict(attention_bias=True), "attention_bias/mlp_bias models are not supported"),
-    "mlp_bias": (dict(mlp_bias=True), "attention_bias/mlp_bias models are not supported"),
-    "gelu": (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
-    "yarn": (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "only 'llama3' is"),
-    "mistral": (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "only LLaMA-family"),
+    "moe": (dict(model_type="mixtral", architectures=["MixtralForCausalLM"]), "model_type='mixtral' is not a family"),
+    "gelu": (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; meshlm runs silu, gelu_pytorch_tanh"),
+    "dynamic": (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"),
+    "layer_types": (
+        dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
+        "layer_types must list",
+    ),
 }
 
 
