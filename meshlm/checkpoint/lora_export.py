@@ -1,7 +1,7 @@
 """A LoRA run's adapters exported: a Hugging Face PEFT adapter folder, or the merged full weights.
 
 `write_peft` writes `adapter_config.json` and `adapter_model.safetensors` the way PEFT saves a LoRA
-adapter of a LlamaForCausalLM; `export_merged` writes the base with the adapters merged in
+adapter of any family's *ForCausalLM; `export_merged` writes the base with the adapters merged in
 (`meshlm.checkpoint.lora_checkpoint.LoraCheckpoint`, a weight source) as a Hugging Face folder. meshlm's
 A [in..., r] and B [r, out...] are PEFT's lora_A.weight [r, in] and lora_B.weight [out, r], the axes
 flattened in order as `hf_map` flattens the weight itself.

@@ -3,6 +3,7 @@ logits as meshlm, merged weights equal to base + scale·B·A, and bad export fla
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +20,16 @@ from meshlm.models.placement import place
 from meshlm.train.state import TrainState, checkpointed
 from meshlm.train.trainable import LoraTraining
 from tests.support.hf import hf_folder_logits, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama
+from tests.support.hf_families import torch_family
 
 SPEC = LoraSpec(rank=4, alpha=8.0, targets=DEFAULT_TARGETS + "|^lm_head$")
 HF = small_hf_config()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A Hugging Face base folder, and a LoRA run's checkpoint on it with random (non-zero) A and B."""
-    root = tmp_path_factory.mktemp("lora")
-    torch_llama(HF).save_pretrained(root / "base")
+def lora_run(root, model):
+    """A Hugging Face base folder saved from `model`, and a LoRA run's checkpoint on it with random (non-zero)
+    A and B; with the meshlm logits of the merged and of the base model."""
+    model.save_pretrained(root / "base")
     cfg = read_model_config(root / "base").replace(dtype="float32")
     placement = place(cfg, mesh_of("1,2,2,1"))
     lora = place_lora(placement, SPEC)
@@ -59,10 +60,25 @@ def run(tmp_path_factory):
     return dict(root=root, cfg=cfg, tokens=tokens, logits=logits, base_logits=base_logits, save=save)
 
 
-def test_peft_adapter_loads_in_peft_with_meshlm_logits(run):
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return lora_run(tmp_path_factory.mktemp("lora"), torch_llama(HF))
+
+
+def peft_logits(base: Path, adapter: Path, tokens: np.ndarray) -> np.ndarray:
+    """transformers' logits of the base folder with the PEFT adapter folder loaded onto it by peft."""
     peft = pytest.importorskip("peft")
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(base), dtype=torch.float32, attn_implementation="eager"
+    )
+    model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def test_peft_adapter_loads_in_peft_with_meshlm_logits(run):
     out = run["root"] / "peft"
     assert main(["export", f"--checkpoint={run['root'] / 'run'}", f"--out={out}", "--lora_format=peft"]) == 0
     config = json.loads((out / "adapter_config.json").read_text())
@@ -73,14 +89,20 @@ def test_peft_adapter_loads_in_peft_with_meshlm_logits(run):
     assert names[prefix + "self_attn.o_proj.lora_A.weight"].shape == (4, H * D)
     assert names[prefix + "self_attn.o_proj.lora_B.weight"].shape == (E, 4)
     assert names[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, HF["intermediate_size"])
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(run["root"] / "base"), dtype=torch.float32, attn_implementation="eager"
-    )
-    model = peft.PeftModel.from_pretrained(model, str(out)).eval()
-    with torch.no_grad():
-        got = model(torch.as_tensor(run["tokens"], dtype=torch.long)).logits.float().numpy()
+    got = peft_logits(run["root"] / "base", out, run["tokens"])
     assert np.abs(run["logits"] - run["base_logits"]).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(got, run["logits"], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2"])
+def test_peft_adapter_of_another_family_loads_with_meshlm_logits(family, tmp_path):
+    """Biases (Qwen2), q/k norms (Qwen3), post-norms and soft-caps (Gemma 2) stay in the base; the adapter on
+    its projections loads in peft with meshlm's merged logits."""
+    run = lora_run(tmp_path, torch_family(family))
+    out = tmp_path / "peft"
+    assert main(["export", f"--checkpoint={tmp_path / 'run'}", f"--out={out}", "--lora_format=peft"]) == 0
+    got = peft_logits(tmp_path / "base", out, run["tokens"])
+    assert np.abs(run["logits"] - run["base_logits"]).max() > 1e-2
     np.testing.assert_allclose(got, run["logits"], atol=1e-4)
 
 
