@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from meshlm.ops.attention import attention_mask, score_scale, soft_cap
+from meshlm.ops.attention import score_scale, soft_cap
+from meshlm.ops.attention_masks import attention_mask
 
 
 def decode_attention(q, k_cache, v_cache, q_positions, kv_positions, *, window=0, softcap=0.0, scale=None):

@@ -7,14 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.ops.attention import attention_mask as attn_mask
-from meshlm.ops.attention import (
-    block_may_attend,
-    block_table,
-    blockwise_attention,
-    dot_product_attention,
-    key_block_lists,
-)
+from meshlm.ops.attention import blockwise_attention, dot_product_attention
+from meshlm.ops.attention_masks import attention_mask as attn_mask
+from meshlm.ops.attention_masks import block_may_attend, block_table, key_block_lists
 from tests.support.attention import ATOL, assert_all_close, make_inputs, reference, value_and_grads
 
 

@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.ops.attention import block_may_attend, block_table, dot_product_attention
+from meshlm.ops.attention import dot_product_attention
+from meshlm.ops.attention_masks import block_may_attend, block_table
 from meshlm.ops.ring import (
     inverse_permutation,
     ring_attention,
