@@ -39,15 +39,19 @@ class Family:
     softcaps: tuple[float, float] = (0.0, 0.0)  # default attn_logit_softcapping, final_logit_softcapping
 
 
-GEMMA_2_3 = dict(head_dim=256, tie=True, act_key="hidden_activation", act="gelu_pytorch_tanh", gemma=2)
+GEMMA_2_3 = Family("", 256, True, "hidden_activation", "gelu_pytorch_tanh", gemma=2)
 FAMILY = {
     "llama": Family("LlamaForCausalLM", mlp_bias=True),
     "mistral": Family("MistralForCausalLM", max_pos=131072, biases="", window="all"),
     "qwen2": Family("Qwen2ForCausalLM", max_pos=32768, biases="qkv", window="qwen"),
     "qwen3": Family("Qwen3ForCausalLM", head_dim=128, max_pos=32768, window="qwen", qk_norm=True),
     "gemma": Family("GemmaForCausalLM", 256, True, act="gelu_pytorch_tanh", max_pos=8192, gemma=1),
-    "gemma2": Family("Gemma2ForCausalLM", max_pos=8192, window="alternate", softcaps=(50.0, 30.0), **GEMMA_2_3),
-    "gemma3_text": Family("Gemma3ForCausalLM", max_pos=131072, window="pattern", qk_norm=True, **GEMMA_2_3),
+    "gemma2": dataclasses.replace(
+        GEMMA_2_3, arch="Gemma2ForCausalLM", max_pos=8192, window="alternate", softcaps=(50.0, 30.0)
+    ),
+    "gemma3_text": dataclasses.replace(
+        GEMMA_2_3, arch="Gemma3ForCausalLM", max_pos=131072, window="pattern", qk_norm=True
+    ),
 }
 assert set(FAMILY) == set(FAMILIES)
 ARCH_FAMILY = {f.arch: name for name, f in FAMILY.items()}

@@ -60,18 +60,18 @@ def read_rope(hf: dict[str, Any], family: str, max_pos: int, where: str) -> dict
     """ModelConfig's rope_theta, rope_scaling and local_rope_theta from a config.json dict."""
     gemma3 = family == "gemma3_text"
     theta = hf.get("rope_theta") or (1_000_000.0 if gemma3 else 10_000.0)
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise UsageError(f"{where}: rope_parameters must be a JSON object, not {params!r}")
+    rp, rs = hf.get("rope_parameters"), hf.get("rope_scaling") or {}
+    for name, value in (("rope_parameters", rp or {}), ("rope_scaling", rs)):
+        if not isinstance(value, dict):
+            raise UsageError(f"{where}: {name} must be a JSON object, not {value!r}")
     local: dict[str, Any] | None = None
-    if any(k in params for k in LAYER_KINDS):  # one dict per layer type
-        nested = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else params
-        params = dict(nested.get("full_attention") or {})
-        if hf.get("rope_scaling") and not any(k in hf["rope_scaling"] for k in LAYER_KINDS):
-            params.update(hf["rope_scaling"])  # Gemma 3: rope_scaling updates the global layers
-        local = nested.get("sliding_attention") or {}
-    elif gemma3:
-        local = {"rope_theta": hf.get("rope_local_base_freq") or 10_000.0}
+    if rp and any(k in rp for k in LAYER_KINDS):  # one dict per layer type; rope_scaling updates the global one
+        params = {**(rp.get("full_attention") or {}), **rs}
+        local = rp.get("sliding_attention") or {}
+    else:
+        params = rs or rp or {}
+        if gemma3:
+            local = {"rope_theta": hf.get("rope_local_base_freq") or 10_000.0}
     out: dict[str, Any] = {
         "rope_theta": float(params.get("rope_theta") or theta),
         "rope_scaling": _scaling(params, max_pos, where),

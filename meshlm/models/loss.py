@@ -82,24 +82,36 @@ def _fence_bwd(_, g):
 _fence_gradient.defvjp(_fence_fwd, _fence_bwd)
 
 
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap · tanh(logits / cap) (Gemma 2's final-logit soft-capping); the logits themselves for cap 0."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 def num_chunks(length: int, chunk: int) -> int:
     """How many chunks of at most `chunk` positions cover `length` (1: all at once; chunk 0 means that)."""
     return 1 if chunk <= 0 or chunk >= length else -(-length // chunk)
 
 
 def head_loss_sums(
-    x: jax.Array, weights: jax.Array, targets: jax.Array, loss_mask: jax.Array, *, chunk: int, one_hot: bool = False
+    x: jax.Array,
+    weights: jax.Array,
+    targets: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    chunk: int,
+    one_hot: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
     """`token_loss_sums(project(x, weights), targets, loss_mask)` computed `chunk` positions at a time.
 
     x [B, T, E] the normed final stream in the compute dtype, weights [E, V] the output projection
     (any float dtype; cast to x's), targets and loss_mask [B, T]. `chunk` 0, or not below T: one piece,
     no scan. Otherwise n = ceil(T / chunk) chunks of ceil(T / n) positions; when n does not divide T
-    the rows are padded with uncounted positions."""
+    the rows are padded with uncounted positions. `softcap`: the logits soft-capped first (`soft_cap`)."""
     B, T, E = x.shape
     n = num_chunks(T, chunk)
     if n == 1:
-        return token_loss_sums(project(x, weights), targets, loss_mask, one_hot=one_hot)
+        return token_loss_sums(soft_cap(project(x, weights), softcap), targets, loss_mask, one_hot=one_hot)
     mask = loss_mask.astype(jnp.float32)
     L = -(-T // n)
     if pad := n * L - T:  # padded positions: zero activations, target 0, not counted
@@ -111,7 +123,7 @@ def head_loss_sums(
     # The weights are gathered once, before the loop, in the compute dtype (their embed dimension whole,
     # the vocabulary split as the logits are).
     w = sharding.constrain(weights.astype(x.dtype), axes.HEAD)
-    return _chunked_nll(one_hot, jnp.dtype(w.dtype), xs, w, ts, ms), jnp.sum(mask)
+    return _chunked_nll(one_hot, jnp.dtype(w.dtype), float(softcap), xs, w, ts, ms), jnp.sum(mask)
 
 
 # The chunked loss has its own derivative. The loss is one scalar, so its gradient with respect to the
@@ -123,33 +135,36 @@ def head_loss_sums(
 # pass was 4% of a whole step on an H200. Without differentiation (`_chunked_value`) no gradient is made.
 
 
-def _chunk_logits(xc, w):
-    """A chunk's activations, laid out as the strategy says, and its float32 logits [B, L, V]."""
+def _chunk_logits(xc, w, cap):
+    """A chunk's activations, laid out as the strategy says, and its float32 logits [B, L, V] (soft-capped)."""
     xc = sharding.constrain(xc, axes.STREAM)
-    return xc, project(xc, w)
+    return xc, soft_cap(project(xc, w), cap)
 
 
-def _chunked_value(one_hot, w_dtype, xs, w, ts, ms):
+def _chunked_value(one_hot, w_dtype, cap, xs, w, ts, ms):
     def one_chunk(total, chunk_in):
         xc, tc, mc = chunk_in
-        nll = cross_entropy(_chunk_logits(xc, w)[1], tc, one_hot=one_hot)
+        nll = cross_entropy(_chunk_logits(xc, w, cap)[1], tc, one_hot=one_hot)
         return total + jnp.sum(nll * mc), None
 
     return jax.lax.scan(one_chunk, jnp.zeros((), jnp.float32), (xs, ts, ms))[0]
 
 
-_chunked_nll = jax.custom_vjp(_chunked_value, nondiff_argnums=(0, 1))
+_chunked_nll = jax.custom_vjp(_chunked_value, nondiff_argnums=(0, 1, 2))
 
 
-def _chunked_fwd(one_hot, w_dtype, xs, w, ts, ms):
+def _chunked_fwd(one_hot, w_dtype, cap, xs, w, ts, ms):
     def one_chunk(carry, chunk_in):
         total, dw = carry
         xc, tc, mc = chunk_in
-        xc, logits = _chunk_logits(xc, w)
+        xc, logits = _chunk_logits(xc, w, cap)
         nll = cross_entropy(logits, tc, one_hot=one_hot)
-        # d(sum of nll * mask) / d logits, cast to the compute dtype as the matmuls' operand.
+        # d(sum of nll * mask) / d logits (through the soft cap: 1 - tanh²), in the compute dtype.
         target = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
-        g = ((jax.nn.softmax(logits, axis=-1) - target) * mc[..., None]).astype(xc.dtype)
+        g = (jax.nn.softmax(logits, axis=-1) - target) * mc[..., None]
+        if cap:
+            g = g * (1.0 - jnp.square(logits / cap))
+        g = g.astype(xc.dtype)
         g = sharding.constrain(g, axes.LOGITS)
         dx = jnp.einsum("btv,ev->bte", g, w)
         dw = dw + jnp.einsum("bte,btv->ev", xc, g, preferred_element_type=jnp.float32)
@@ -160,7 +175,7 @@ def _chunked_fwd(one_hot, w_dtype, xs, w, ts, ms):
     return total, (dxs, dw)
 
 
-def _chunked_bwd(one_hot, w_dtype, saved, ct):
+def _chunked_bwd(one_hot, w_dtype, cap, saved, ct):
     dxs, dw = saved
     return (dxs * ct.astype(dxs.dtype)), (dw * ct).astype(w_dtype), None, None
 
@@ -168,4 +183,4 @@ def _chunked_bwd(one_hot, w_dtype, saved, ct):
 _chunked_nll.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-__all__ = ["cross_entropy", "token_loss_sums", "project", "num_chunks", "head_loss_sums"]
+__all__ = ["cross_entropy", "token_loss_sums", "project", "soft_cap", "num_chunks", "head_loss_sums"]

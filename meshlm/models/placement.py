@@ -132,10 +132,12 @@ class Placement:
         layer's weights inside the scan. Call under jit."""
         model = self.structure
 
-        def run(x, positions, layers, more):
+        def run(x, positions, layers, more, first=0):
             if adapt is None:
-                return model.run_layers(x, positions, segment_ids, layers)[0]
-            return model.run_layers(x, positions, segment_ids, (layers, more), adapt=lambda p: adapt(*p))[0]
+                return model.run_layers(x, positions, segment_ids, layers, first=first)[0]
+            return model.run_layers(x, positions, segment_ids, (layers, more), adapt=lambda p: adapt(*p), first=first)[
+                0
+            ]
 
         with sharding.activate(self.mesh, self.strategy):
             x, positions = model.embed_tokens(tokens, positions, params)
@@ -147,7 +149,8 @@ class Placement:
                     with jax.named_scope(f"boundary {before.key}>{group.key}"):
                         x = sharding.constrain(x, axes.STREAM)
                 with jax.named_scope(f"layers {group.key}"):
-                    x = run(x, positions, params["layers"][group.key], None if extra is None else extra[group.key])
+                    more = None if extra is None else extra[group.key]
+                    x = run(x, positions, params["layers"][group.key], more, group.start)
         return x
 
     def _apply_groups(self, params, tokens, positions, segment_ids):

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, build_mesh
-from meshlm.models.decoder import REMAT_POLICIES, apply_rope, rope_frequencies
+from meshlm.models.decoder import REMAT_POLICIES
+from meshlm.models.rope import apply_rope, rope_frequencies
 from meshlm.models.hf_config import from_hf_config, to_hf_config
 from meshlm.models.placement import place
 from meshlm.models.presets import PRESETS, resolve_model
@@ -90,7 +91,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(model):
 
 def test_rope_rotates_by_relative_position():
     """<rope(q, m), rope(k, n)> depends only on m - n."""
-    inv = rope_frequencies(16, 10000.0, None)
+    inv, _ = rope_frequencies(16, 10000.0, None)
     rng = np.random.default_rng(0)
     q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32) for _ in range(2))
 
@@ -103,8 +104,8 @@ def test_rope_rotates_by_relative_position():
 
 def test_llama3_rope_scaling_bands():
     cfg = PRESETS["llama3.2-1b"]
-    base = rope_frequencies(cfg.head_dim, cfg.rope_theta, None)
-    scaled = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    base, _ = rope_frequencies(cfg.head_dim, cfg.rope_theta, None)
+    scaled, _ = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     wavelen = 2 * np.pi / base
     s = cfg.rope_scaling
     high = wavelen < s.original_max_position_embeddings / s.high_freq_factor
