@@ -73,7 +73,9 @@ def leaves(cfg: ModelConfig) -> list[Leaf]:
     E, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     M, V, L = cfg.mlp_dim, cfg.vocab_size, cfg.n_layers
     vec = ((0,),)
-    layer = [(("attn_norm", "scale"), "input_layernorm.weight", (E,), vec)]
+    layer: list[tuple[tuple[str, ...], str, tuple[int, ...], tuple[tuple[int, ...], ...]]] = [
+        (("attn_norm", "scale"), "input_layernorm.weight", (E,), vec)
+    ]
     for name, proj, heads in (("q", "q_proj", H), ("k", "k_proj", K), ("v", "v_proj", K)):
         layer.append((("attn", f"w{name}"), f"self_attn.{proj}.weight", (E, heads, D), ((1, 2), (0,))))
         if cfg.qkv_bias:
