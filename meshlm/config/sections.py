@@ -262,8 +262,8 @@ class ChatDataConfig:
     text_field: str = _flag("text", "the JSONL key (or Hugging Face dataset column) that holds a plain-text document")
     chat_template: str | None = _flag(
         None,
-        "chat data: render conversations with this template: plain, chatml, or a "
-        "Jinja file (default: the tokenizer's own, else plain); serving renders alike",
+        "chat data: render conversations with this template: plain, chatml (Qwen), gemma, mistral, "
+        "or a Jinja file (default: the tokenizer's own, else plain); serving renders alike",
     )
     loss_on: str | None = _flag(
         None, "chat data: which targets count in the loss: assistant (the replies, default for chat data) or all"
@@ -286,7 +286,9 @@ class ChatDataConfig:
                 f"--long_conversations={self.long_conversations}: choose {' or '.join(LONG_CONVERSATIONS)}"
             )
         if self.chat_template is not None and not self.chat_template.strip():
-            raise UsageError("--chat_template is empty; name plain, chatml or a Jinja file, or leave it out")
+            raise UsageError(
+                "--chat_template is empty; name plain, chatml, gemma, mistral or a Jinja file, or leave it out"
+            )
 
 
 @dataclass

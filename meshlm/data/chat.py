@@ -3,9 +3,10 @@
 A chat dataset is `.jsonl` whose lines hold a `messages` list of {"role", "content"} objects. Each
 conversation is rendered through the template serving uses (`meshlm.data.chat_template`) and
 encoded as serving encodes a prompt; with `--loss_on=assistant` (the default) a token counts when it
-starts inside an assistant reply, `--loss_on=all` counts every token. Conversations are packed
-whole into blocks of `seq_len` tokens (a longer one cut or dropped, `--long_conversations`), with a
-flags stream (`TARGET`, `START`) beside the tokens from which `pack_chat_rows` numbers the segments.
+starts inside an assistant reply (its text and end-of-turn marker), `--loss_on=all` counts every
+token. Conversations are packed whole into blocks of `seq_len` tokens (a longer one cut or dropped,
+`--long_conversations`), with a flags stream (`TARGET`, `START`) beside the tokens from which
+`pack_chat_rows` numbers the segments.
 docs/data.md, "Chat data", has the rendering and packing rules in full.
 """
 
@@ -21,14 +22,14 @@ from typing import cast
 
 import numpy as np
 
-from meshlm.data.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, resolve_chat_template
+from meshlm.data.chat_template import BUILTIN, DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, resolve_chat_template
 from meshlm.data.corpus import FileCorpus, atomic_write, cache_root, is_synthetic, open_corpus
 from meshlm.errors import UsageError
 
 LOSS_ON = ("assistant", "all")
 LONG_CONVERSATIONS = ("truncate", "drop")
 TARGET, START = 1, 2  # bits of the flags stream
-_FORMAT = "chat-v1"  # bump to invalidate cached chat files when rendering or packing changes
+_FORMAT = "chat-v2"  # bump to invalidate cached chat files when rendering or packing changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,8 @@ def encode_conversation(
     template: ChatTemplate, tokenizer, messages: list[dict], loss_on: str = "assistant", where: str = "conversation"
 ) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation, then its end-of-text id, and per token 1 when it counts
-    in the loss as a target (see the module docstring), else 0."""
+    in the loss as a target (see the module docstring), else 0. A reply counts from the end of the
+    generation prompt through its end-of-turn marker (`ChatTemplate.reply_length`)."""
     try:
         full = template.render(messages, add_generation_prompt=False)
         spans = []
@@ -141,9 +143,9 @@ def encode_conversation(
                 raise UsageError(
                     f"{where}: the chat template renders turns before reply {k} differently once "
                     f"later turns follow, so training would not match serving; pass "
-                    f"--chat_template=chatml (or plain, or a Jinja file)"
+                    f"--chat_template={'|'.join(BUILTIN)} (or a Jinja file)"
                 )
-            spans.append((len(before), len(through)))
+            spans.append((len(before), len(before) + template.reply_length(through[len(before) :])))
     except ChatTemplateError as e:
         raise UsageError(f"{where}: {e}; fix the conversation or pass another --chat_template") from None
     ids, offsets = tokenizer.encode_offsets(full)
@@ -152,8 +154,9 @@ def encode_conversation(
     else:
         weights = [int(any(a <= start < b for a, b in spans)) for start, _ in offsets]
     if not ids or ids[-1] != tokenizer.eos_id:
-        ids = [*ids, tokenizer.eos_id]
-        weights.append(int(loss_on == "all" or messages[-1]["role"] == "assistant"))
+        ids = [*ids, tokenizer.eos_id]  # the last reply's end when the template writes no marker of its own
+        ends_on_reply = bool(spans) and messages[-1]["role"] == "assistant" and spans[-1][1] == len(full)
+        weights.append(int(loss_on == "all" or ends_on_reply))
     weights[0] = 0  # the first token is never a target within its conversation
     return list(ids), weights
 

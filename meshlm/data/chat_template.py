@@ -3,8 +3,9 @@
 
 A model's own template (`template_beside` finds it beside a tokenizer.json) is rendered the way
 `transformers` renders it; a model without one gets `DEFAULT_TEMPLATE`, a plain transcript whose
-generation stops before the model writes the user's next turn (`ChatTemplate.stop`). Built-in
-templates by name (`BUILTIN`: `plain`, `chatml`) or a Jinja file are chosen by `resolve_chat_template`
+generation stops before the model writes the user's next turn (`ChatTemplate.stop`; a model's
+template stops at the end-of-turn marker it writes). Built-in templates by name (`BUILTIN`: `plain`,
+`chatml` for Qwen, `gemma`, `mistral`) or a Jinja file are chosen by `resolve_chat_template`
 (`meshlm train --chat_template=NAME|PATH`).
 
     template = ChatTemplate.from_source(model.chat_template, bos_token="<s>", eos_token="</s>")
@@ -44,7 +45,45 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-BUILTIN = {"plain": DEFAULT_TEMPLATE, "chatml": CHATML_TEMPLATE}
+# The system message, when the conversation opens with one, taken out of the turns (`system`, `turns`);
+# the templates below fold it into the first user turn, or give it a user turn when there is none.
+_SYSTEM_APART = (
+    "{% set ns = namespace(system='') %}"
+    "{% set turns = messages %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set ns.system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% endif %}"
+    "{% if ns.system and not (turns | selectattr('role', 'equalto', 'user') | list) %}"
+    "{% set turns = [{'role': 'user', 'content': ns.system}] + turns %}{% set ns.system = '' %}"
+    "{% endif %}"
+)
+# Gemma's turns: <start_of_turn>ROLE ... <end_of_turn>, the assistant's role named `model`; no system
+# role: the system message opens the first user turn, followed by a blank line.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}" + _SYSTEM_APART + "{% for message in turns %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if role == 'user' and ns.system %}{{ ns.system + '\n\n' }}{% set ns.system = '' %}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Mistral's instruction format, spaced as its v3 tokenizer writes it: [INST] user[/INST] reply</s>; the
+# system prompt opens the first instruction, followed by a blank line.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}" + _SYSTEM_APART + "{% for message in turns %}"
+    "{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + (ns.system + '\n\n' if ns.system else '') + message['content'] + '[/INST]' }}"
+    "{% set ns.system = '' %}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] | trim + eos_token }}"
+    "{% else %}{{ raise_exception('the mistral template takes system, user and assistant messages, not '"
+    " + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+BUILTIN = {"plain": DEFAULT_TEMPLATE, "chatml": CHATML_TEMPLATE, "gemma": GEMMA_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
+# End-of-turn markers a template may write after each reply: generation stops at those it writes.
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 
 
 class ChatTemplateError(ValueError):
@@ -55,8 +94,8 @@ class ChatTemplateError(ValueError):
 class ChatTemplate:
     """A Jinja chat template and the special-token strings it may refer to.
 
-    `stop` holds strings that end the assistant's turn when the template has no end-of-turn token of
-    its own (only the default template needs them).
+    `stop` holds the strings that end the assistant's turn (`stops_of`): the end-of-turn markers the
+    template writes, or the transcript's next `User:` for the default template.
     """
 
     source: str = DEFAULT_TEMPLATE
@@ -67,9 +106,9 @@ class ChatTemplate:
     @classmethod
     def from_source(cls, source: str | None, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
         """The model's own template, or the default one when it has none (`source` None or empty)."""
-        if not source:
+        if not source or source == DEFAULT_TEMPLATE:
             return cls()
-        return cls(source, bos_token=bos_token, eos_token=eos_token, stop=())
+        return cls(source, bos_token=bos_token, eos_token=eos_token, stop=stops_of(source, eos_token))
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt for `messages` ({"role", "content"} mappings), ready for the assistant's reply."""
@@ -84,6 +123,23 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from e
+
+    def reply_length(self, reply: str) -> int:
+        """How much of a rendered reply (from the generation prompt's end to the next turn) the model
+        writes: through its end-of-turn marker (a `stop` string it ends with, the whitespace after that
+        left out), else all of it."""
+        kept = reply.rstrip()
+        return len(kept) if any(kept.endswith(stop) for stop in self.stop if stop) else len(reply)
+
+
+def stops_of(source: str, eos_token: str = "") -> tuple[str, ...]:
+    """Where a reply ends under the template `source`: the `END_OF_TURN` markers it writes (Gemma's
+    <end_of_turn>, ChatML's <|im_end|>, ...), and `eos_token` when the template writes that after a
+    reply (Mistral's instruction format)."""
+    stops = tuple(marker for marker in END_OF_TURN if marker in source)
+    if eos_token and "eos_token" in source and eos_token not in stops:
+        stops += (eos_token,)
+    return stops
 
 
 def _raise_exception(message: str):
@@ -160,10 +216,8 @@ def resolve_chat_template(spec: str | None, tokenizer) -> tuple[ChatTemplate, st
                 f"nor a Jinja file; name one of them or an existing file"
             )
         source, origin = path.read_text(), str(path)
-    if source == DEFAULT_TEMPLATE:
-        return ChatTemplate(), origin
     try:
         _compile(source)  # a broken template is one error now, not one per conversation
     except ChatTemplateError as e:
         raise UsageError(f"chat template {origin}: {e}; fix it or pass --chat_template=chatml or plain") from None
-    return ChatTemplate(source, bos_token=bos, eos_token=eos, stop=()), origin
+    return ChatTemplate.from_source(source, bos_token=bos, eos_token=eos), origin

@@ -37,7 +37,9 @@ _FORMAT = "bytebpe-v1"  # bump to invalidate cached tokenizers when training cha
 class Tokenizer:
     """A Hugging Face `tokenizers.Tokenizer` with the few things meshlm needs."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, path: Path | None = None, eos_token: str = EOS_TOKEN):
+    def __init__(
+        self, tok: tokenizers.Tokenizer, path: Path | None = None, eos_token: str = EOS_TOKEN, bos_token: str = ""
+    ):
         eos_id = tok.token_to_id(eos_token)
         if eos_id is None:
             raise UsageError(f"tokenizer has no {eos_token!r} token; use one with an end-of-text token")
@@ -46,6 +48,7 @@ class Tokenizer:
         self.path = path  # the tokenizer.json this was loaded from or last saved to
         self.eos_token = eos_token
         self.eos_id = eos_id
+        self.bos_token = bos_token  # what a chat template's {{ bos_token }} writes ("" when the tokenizer has none)
 
     @property
     def vocab_size(self) -> int:
@@ -95,6 +98,8 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         self._tok.save(str(path))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token}
+        if self.bos_token:
+            config["bos_token"] = self.bos_token
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         self.path = path
         return path
@@ -113,7 +118,7 @@ class Tokenizer:
             tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
             raise UsageError(f"cannot load tokenizer {str(path)!r} ({e}); pass a Hugging Face tokenizer.json") from e
-        return cls(tok, path, _find_eos(tok, path.parent))
+        return cls(tok, path, _find_eos(tok, path.parent), _config_token(tok, path.parent, "bos_token") or "")
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, path={self.path})"
@@ -231,18 +236,22 @@ def _capped(documents, max_chars: int) -> list[str]:
     return texts
 
 
+def _config_token(tok: tokenizers.Tokenizer, directory: Path, key: str) -> str | None:
+    """`tokenizer_config.json`'s special token `key` (eos_token, bos_token) when the tokenizer has it."""
+    try:
+        token = json.loads((directory / "tokenizer_config.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and tok.token_to_id(token) is not None else None
+
+
 def _find_eos(tok: tokenizers.Tokenizer, directory: Path) -> str:
     """The end-of-text token: `tokenizer_config.json`'s eos_token when present, else a known one."""
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            eos = json.loads(config.read_text()).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str) and tok.token_to_id(eos) is not None:
-            return eos
+    eos = _config_token(tok, directory, "eos_token")
+    if eos is not None:
+        return eos
     for candidate in _EOS_CANDIDATES:
         if tok.token_to_id(candidate) is not None:
             return candidate

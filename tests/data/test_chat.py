@@ -24,15 +24,9 @@ from meshlm.data.chat_template import (
     resolve_chat_template,
 )
 from meshlm.errors import UsageError
+from tests.support.chat_families import CONVERSATION
 
 SHIPPED = Path(__file__).parents[2] / "examples" / "chat_small.jsonl"
-CONVERSATION = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is 2 + 2?"},
-    {"role": "assistant", "content": "4."},
-    {"role": "user", "content": "And twice that?"},
-    {"role": "assistant", "content": "Eight, since 2 × 4 = 8."},
-]
 # A template of the tokenizer's own (tokenizer_config.json), with an end-of-turn marker it does not know.
 OWN_TEMPLATE = (
     "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n<|end|>\n{% endfor %}"
@@ -63,8 +57,8 @@ def turns(n_words):
     return [{"role": "user", "content": "Say words."}, {"role": "assistant", "content": " ".join(["word"] * n_words)}]
 
 
-@pytest.mark.parametrize("name,reply_end", [("chatml", "<|im_end|>\n"), ("plain", "\n\n")])
-def test_only_the_assistant_tokens_count_token_by_token(tok, name, reply_end):
+@pytest.mark.parametrize("name,reply_end,closing", [("chatml", "<|im_end|>", ""), ("plain", "\n\n", "<|endoftext|>")])
+def test_only_the_assistant_tokens_count_token_by_token(tok, name, reply_end, closing):
     template, _ = resolve_chat_template(name, tok)
     ids, weights = encode_conversation(template, tok, CONVERSATION)
     assert len(ids) == len(weights) and ids[-1] == tok.eos_id
@@ -72,7 +66,8 @@ def test_only_the_assistant_tokens_count_token_by_token(tok, name, reply_end):
     other = tok.decode([i for i, w in zip(ids, weights) if not w])
     lead = "" if name == "chatml" else " "  # the plain template writes "Assistant: reply"
     replies = [lead + m["content"] + reply_end for m in CONVERSATION if m["role"] == "assistant"]
-    assert counted == "".join(replies) + "<|endoftext|>"  # the replies, their end of turn, and the end of text
+    # the replies through their end-of-turn marker; the end of text closes a reply only where no marker does
+    assert counted == "".join(replies) + closing
     full = template.render(CONVERSATION, add_generation_prompt=False)
     assert other + "".join(replies) != full and sorted(other + counted) == sorted(full + "<|endoftext|>")
     for m in CONVERSATION:  # the prompts are never counted
@@ -83,7 +78,7 @@ def test_only_the_assistant_tokens_count_token_by_token(tok, name, reply_end):
     for k, m in enumerate(CONVERSATION):
         if m["role"] == "assistant":
             before = template.render(CONVERSATION[:k])
-            spans.append((len(before), len(template.render(CONVERSATION[: k + 1], add_generation_prompt=False))))
+            spans.append((len(before), len(before) + len(lead + m["content"] + reply_end)))
     _, offsets = tok.encode_offsets(full)
     for i, (start, _) in enumerate(offsets):
         assert weights[i] == (i > 0 and any(a <= start < b for a, b in spans)), i

@@ -522,7 +522,7 @@ def test_model_template_renders_like_transformers():
     assert template.render(CONVERSATION) == (
         "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert template.stop == ()  # the model ends its turn with its own token
+    assert template.stop == ("<|im_end|>",)  # the model ends its turn with its own marker
     assert ChatTemplate.from_source(None) == ChatTemplate.from_source("") == ChatTemplate()
     with pytest.raises(ChatTemplateError, match="the first message must be the user"):
         ChatTemplate.from_source(STRICT).render(CONVERSATION)
@@ -549,6 +549,6 @@ def test_the_model_template_renders_chat_prompts(engine, handles, serve_app):
     [handle] = handles
     rendered = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert handle.request.prompt_ids == engine.tokenizer.encode(rendered)
-    assert handle.request.stop == ()
+    assert handle.request.stop == ("<|im_end|>",)
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == "messages: the first message must be the user"
