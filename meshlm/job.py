@@ -257,8 +257,8 @@ def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
 
 def check_kernel(model: ModelConfig, seq_len: int) -> None:
     """A forced `--attention` kernel against the devices JAX runs on, before anything starts: the kernel's
-    platform, the compute dtype and head_dim it needs (packed documents on older GPUs are found when the
-    first batch is traced). `auto`, `dense` and `blockwise` run anywhere."""
+    platform, the compute dtype and head_dim it needs, the local layers' window and the logit soft cap
+    (packed documents on older GPUs are found when the first batch is traced). `auto`, `dense` and `blockwise` run anywhere."""
     from meshlm.ops import kernels
 
     if model.attention in ("auto", "dense", "blockwise"):
@@ -272,8 +272,11 @@ def check_kernel(model: ModelConfig, seq_len: int) -> None:
         packed=False,
         causal=True,
         gpu_capability=kernels.gpu_capability(),
+        softcap=model.attn_logit_softcap,
     )
-    kernels.choose(model.attention, call)  # one UsageError line when it cannot serve the job
+    # Each kind of layer the model has (global, and local with its window) must be served.
+    for window in sorted({model.sliding_window if local else 0 for local in model.local_layers}):
+        kernels.choose(model.attention, call._replace(window=window))  # one UsageError line when it cannot
 
 
 def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False):
