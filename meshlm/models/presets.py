@@ -13,6 +13,22 @@ from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling, apply_overrides
 from meshlm.models.hf_config import read_hf_config
 
+# What every size of a family shares, as its config.json spells it.
+LLAMA3_1 = dict(max_seq_len=131072, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192))
+QWEN2 = dict(family="qwen2", qkv_bias=True, rope_theta=1e6, norm_eps=1e-6)
+QWEN3 = dict(family="qwen3", qk_norm=True, head_dim=128, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6)
+GEMMA = dict(
+    head_dim=256, norm_eps=1e-6, tie_embeddings=True, post_norms=True, norm_offset=1.0, embed_scale=True,
+    mlp_activation="gelu_tanh",
+)  # fmt: skip
+GEMMA2 = GEMMA | dict(
+    family="gemma2", max_seq_len=8192, attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=4096,
+    layer_pattern="LG",
+)  # fmt: skip
+GEMMA3 = GEMMA | dict(
+    family="gemma3_text", qk_norm=True, layer_pattern="LLLLLG", rope_theta=1e6, local_rope_theta=10000.0
+)  # fmt: skip
+
 PRESETS: dict[str, ModelConfig] = {
     # For unit tests: divisible by 8 everywhere so every 8-device mesh is valid.
     "test": ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, mlp_dim=128, max_seq_len=512),
@@ -59,6 +75,89 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0,
         tie_embeddings=True,
         rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+    ),
+    # The open families' published shapes, each as its Hugging Face config.json gives it
+    # (tests/models/test_presets_families.py holds the config.json fields and the published parameter counts).
+    "llama3.1-8b": ModelConfig(
+        vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14336, **LLAMA3_1
+    ),
+    "llama3.1-70b": ModelConfig(
+        vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, mlp_dim=28672, **LLAMA3_1
+    ),
+    "mistral-7b": ModelConfig(
+        vocab_size=32768,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        mlp_dim=14336,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        family="mistral",
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        vocab_size=151936,
+        d_model=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        mlp_dim=4864,
+        max_seq_len=32768,
+        tie_embeddings=True,
+        **QWEN2,
+    ),
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064,
+        d_model=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        mlp_dim=18944,
+        max_seq_len=131072,
+        **QWEN2,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        mlp_dim=3072,
+        tie_embeddings=True,
+        **QWEN3,
+    ),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, mlp_dim=12288, **QWEN3
+    ),
+    "qwen3-32b": ModelConfig(
+        vocab_size=151936, d_model=5120, n_layers=64, n_heads=64, n_kv_heads=8, mlp_dim=25600, **QWEN3
+    ),
+    "gemma-2-9b": ModelConfig(
+        vocab_size=256000, d_model=3584, n_layers=42, n_heads=16, n_kv_heads=8, mlp_dim=14336, **GEMMA2
+    ),
+    "gemma-3-1b": ModelConfig(
+        vocab_size=262144,
+        d_model=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        mlp_dim=6912,
+        max_seq_len=32768,
+        sliding_window=512,
+        **GEMMA3,
+    ),
+    # Gemma 3 12B's text model (Gemma3ForConditionalGeneration's text_config; the vision tower is not built).
+    "gemma-3-12b": ModelConfig(
+        vocab_size=262208,
+        d_model=3840,
+        n_layers=48,
+        n_heads=16,
+        n_kv_heads=8,
+        mlp_dim=15360,
+        max_seq_len=131072,
+        sliding_window=1024,
+        rope_scaling=RopeScaling(8.0, kind="linear"),
+        **GEMMA3,
     ),
 }
 
