@@ -15,23 +15,38 @@ from meshlm.models.configs import ModelConfig
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 
+def attended_keys(seq_len: int, window: int = 0, causal: bool = True) -> float:
+    """Keys one query attends, averaged over a row of `seq_len` positions.
+
+    Causal: the query at position p attends min(p + 1, window) keys (window 0: no window), with the
+    diagonal counted half, so a global layer attends seq_len / 2 on average (the PaLM convention) and a
+    window >= seq_len is the global count. Not causal: every query attends every key (a window is a
+    causal notion here)."""
+    if not causal:
+        return float(seq_len)
+    w = window if 0 < window < seq_len else seq_len
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len - 0.5
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Training FLOPs (forward + backward) per token, the numerator of MFU.
 
-        flops = 6 * N  +  3 * n_layers * (2 matmuls * 2 * seq_len * n_heads * head_dim) * (1/2 if causal)
+        flops = 6 * N  +  3 * sum over layers (2 matmuls * 2 * keys(layer) * n_heads * head_dim)
 
-    N is every parameter except the input embedding table (a lookup, no FLOPs): the layers, the
-    norms and the output head d_model x vocab. With tied embeddings the head *is* the embedding
-    table, but its matmul still runs, so it is counted. 6 = 2 (multiply-add) x 3 (forward, and a
-    backward that costs twice the forward). The attention term is the part 6N misses: per token
-    and layer, QK^T and PV are each 2 * seq_len * n_heads * head_dim FLOPs forward; a causal mask
-    halves the useful work (the PaLM convention, which counts no FLOPs of rematerialisation).
+    N is every parameter except the input embedding table (a lookup, no FLOPs): the layers with their
+    biases and q/k and post norms, the final norm and the output head d_model x vocab. With tied
+    embeddings the head *is* the embedding table, but its matmul still runs, so it is counted. 6 = 2
+    (multiply-add) x 3 (forward, and a backward that costs twice the forward). The attention term is the
+    part 6N misses: per token and layer, QK^T and PV are each 2 * keys * n_heads * head_dim FLOPs
+    forward, where keys is what one query attends on average (`attended_keys`): seq_len / 2 for a causal
+    global layer (the PaLM convention, which counts no FLOPs of rematerialisation), and for a local layer
+    only its window, min(p + 1, sliding_window) keys at position p.
     """
     if seq_len <= 0:
         raise UsageError(f"seq_len={seq_len} must be a positive integer")
     n = cfg.num_params(include_embedding=False)  # includes the head (tied or not), excludes the lookup table
-    attn_forward = 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * (0.5 if causal else 1.0)
-    return float(6 * n + 3 * cfg.n_layers * attn_forward)
+    keys = sum(attended_keys(seq_len, cfg.sliding_window if local else 0, causal) for local in cfg.local_layers)
+    return float(6 * n + 3 * 2 * 2 * keys * cfg.n_heads * cfg.head_dim)
 
 
 def step_flops(cfg: ModelConfig, seq_len: int, tokens: int, causal: bool = True) -> float:
