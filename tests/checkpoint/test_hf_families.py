@@ -108,3 +108,19 @@ def test_logits_match_transformers(family, models):
     want = torch_logits(model, tokens)
     assert want.std() > 0.3
     np.testing.assert_allclose(meshlm_logits(placement, params, tokens), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "family, mesh_dim",
+    [("gemma2", "2,1,1,4"), ("qwen2", "1,2,2,2"), pytest.param("gemma3_text", "1,1,2,4", marks=pytest.mark.slow)],
+)
+def test_logits_match_transformers_on_a_mixed_mesh_with_ring_attention(family, mesh_dim, models):
+    """Sequence parallelism over local and global layers (RingAttention with the window, soft caps and
+    the family's scale), data and tensor parallelism beside it: transformers' logits still."""
+    model, folder = models(family)
+    cfg = read_hf_config(folder / "config.json").replace(dtype="float32")
+    placement = place(cfg, mesh_of(mesh_dim))
+    assert placement.mesh.shape["sp"] > 1
+    tokens = tokens_longer_than_the_window(cfg.vocab_size)
+    got = meshlm_logits(placement, load_params(f"hf:{folder}", placement), tokens)
+    np.testing.assert_allclose(got, torch_logits(model, tokens), atol=1e-4, rtol=0)
