@@ -7,6 +7,9 @@ same one-line `UsageError` from every command, before any weights are read or an
 
     job = resolve(TrainConfig(model="tiny", mesh_dim="1,8,1,1"))
     job.placement.init(seed=0)          # parameters laid out on job.mesh by job.strategy
+
+What the model is (`job.model`, a ModelConfig) and how the run runs it (`job.policy`, a RunPolicy:
+--dtype, --param_dtype, --remat, --attention and --model.loss_chunk/scan_unroll/max_documents) are apart.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from meshlm.config import TrainConfig, check_dtype
 from meshlm.errors import UsageError, closest
 from meshlm.mesh import MeshShape
 from meshlm.models.configs import ModelConfig
+from meshlm.models.policy import RunPolicy
 
 # The longest KV cache serving allocates unless --max_seq_len asks for more.
 SERVING_CONTEXT = 2048
@@ -31,7 +35,8 @@ class Job:
     """What the commands share once the flags are resolved. `mesh` and `placement` are None when the
     job was resolved without building them (`build=False`)."""
 
-    model: ModelConfig  # dtype, param_dtype and remat filled in
+    model: ModelConfig
+    policy: RunPolicy  # dtype, param_dtype and remat filled in
     shape: MeshShape
     dcn: MeshShape | None  # how the mesh is split across hosts (None: one process)
     pipeline: Any  # meshlm.ops.pipeline.Schedule, or None without --pp
@@ -45,15 +50,14 @@ class Job:
 # ------------------------------------------------------------------------------------ the model
 
 
-def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelConfig, Path | None]:
-    """(model config, --init_from source) from --model, --model.FIELD, --init_from and the precision
-    flags; `auto` dtype for `backend` (default: the one JAX runs on). Checks --seq_len against the
-    model's context."""
+def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, Path | None]:
+    """(model config, --init_from source) from --model, the model's --model.FIELD overrides and
+    --init_from. Checks --seq_len against the model's context."""
     from meshlm.models.configs import apply_overrides
+    from meshlm.models.policy import split_overrides
     from meshlm.models.presets import resolve_model as preset_or_config
-    from meshlm.platform import resolve_dtype
 
-    cfg.section("precision").check()
+    overrides = split_overrides(cfg.model_overrides)[0]
     init_source = None
     if cfg.init_from:
         from meshlm.checkpoint.weights import parse_init_from, read_model_config
@@ -62,14 +66,25 @@ def resolve_model(cfg: TrainConfig, backend: str | None = None) -> tuple[ModelCo
     if cfg.model:
         cfg.model = preset_name(cfg.model)  # `Tiny` is tiny, in the logs and the saved run config too
     if cfg.model or init_source is None:
-        model = preset_or_config(cfg.model or "tiny", cfg.model_overrides)
+        model = preset_or_config(cfg.model or "tiny", overrides)
     else:
-        model = apply_overrides(read_model_config(init_source), cfg.model_overrides)
-    model = model.replace(
-        dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention
-    )
+        model = apply_overrides(read_model_config(init_source), overrides)
     check_context(cfg.seq_len, model)
     return model, init_source
+
+
+def resolve_policy(cfg: TrainConfig, backend: str | None = None) -> RunPolicy:
+    """How the run runs its model, from the precision flags, --remat, --attention and the policy's
+    --model.FIELD overrides (`meshlm.models.policy.OVERRIDES`); `auto` dtype for `backend` (default:
+    the one JAX runs on)."""
+    from meshlm.models import policy
+    from meshlm.platform import resolve_dtype
+
+    cfg.section("precision").check()
+    base = RunPolicy(
+        dtype=resolve_dtype(cfg.dtype, backend), param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention
+    )
+    return policy.apply_overrides(base, policy.split_overrides(cfg.model_overrides)[1])
 
 
 def preset_name(name: str) -> str:
@@ -148,15 +163,15 @@ def pipeline_flags(cfg: TrainConfig):
     return PipelineFlags(cfg.pipeline_schedule, cfg.microbatches, cfg.virtual_stages)
 
 
-def plan_job(cfg: TrainConfig, model: ModelConfig, devices: MeshShape | int):
+def plan_job(cfg: TrainConfig, model: ModelConfig, policy: RunPolicy, devices: MeshShape | int):
     """This job as `meshlm plan` sees it (`meshlm.plan.job.Job`), on a mesh or a number of devices."""
     from meshlm.plan.job import Job as PlanJob
 
     n_devices = devices if isinstance(devices, int) else devices.n_devices
-    return PlanJob(model, cfg.batch_size, cfg.seq_len, n_devices, cfg.grad_accum, pipeline_flags(cfg))
+    return PlanJob(model, cfg.batch_size, cfg.seq_len, n_devices, cfg.grad_accum, pipeline_flags(cfg), policy)
 
 
-def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> str:
+def auto_remat(cfg: TrainConfig, model: ModelConfig, policy: RunPolicy, shape: MeshShape, device=None) -> str:
     """What `--remat=auto` means for this job on this mesh (`meshlm.plan.fit.auto_policy`, which
     `meshlm plan --hardware=cpu` calls too).
 
@@ -179,7 +194,7 @@ def auto_remat(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=No
     if not budget:
         return "none"
     kept = profile_for(device.platform).kept_block_bytes()
-    return auto_policy(plan_job(cfg, model, shape), shape, budget, memory_compiler(device), kept)
+    return auto_policy(plan_job(cfg, model, policy, shape), shape, budget, memory_compiler(device), kept)
 
 
 def check_auto_remat(cfg: TrainConfig) -> None:
@@ -216,7 +231,7 @@ def memory_check_off() -> bool:
     return os.environ.get(MEMORY_CHECK, "").strip().lower() in ("0", "false", "no", "off")
 
 
-def check_memory(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=None) -> None:
+def check_memory(cfg: TrainConfig, model: ModelConfig, policy: RunPolicy, shape: MeshShape, device=None) -> None:
     """One line, before anything compiles, when the job's predicted peak (`meshlm plan`'s memory model)
     exceeds what a device may use (`device_memory`), naming the nearest change that fits. Skipped with
     MESHLM_MEMORY_CHECK=0, and for LoRA runs (the model counts every weight's gradient and moments)."""
@@ -231,8 +246,8 @@ def check_memory(cfg: TrainConfig, model: ModelConfig, shape: MeshShape, device=
     if not budget:
         return
     if cfg.remat == "auto":  # what auto chose was the least it could: changes keep auto choosing
-        model = model.replace(remat="auto")
-    problem = misfit(plan_job(cfg, model, shape), shape, budget, memory_compiler(device), where)
+        policy = policy.replace(remat="auto")
+    problem = misfit(plan_job(cfg, model, policy, shape), shape, budget, memory_compiler(device), where)
     if problem:
         raise UsageError(f"{problem} ({MEMORY_CHECK}=0 runs it anyway)")
 
@@ -255,20 +270,20 @@ def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
         )
 
 
-def check_kernel(model: ModelConfig, seq_len: int) -> None:
+def check_kernel(model: ModelConfig, policy: RunPolicy, seq_len: int) -> None:
     """A forced `--attention` kernel against the devices JAX runs on, before anything starts: the kernel's
     platform, the compute dtype and head_dim it needs, the local layers' window and the logit soft cap
     (packed documents on older GPUs are found when the first batch is traced). `auto`, `dense` and `blockwise` run anywhere."""
     from meshlm.ops import kernels
 
-    if model.attention in ("auto", "dense", "blockwise"):
+    if policy.attention in ("auto", "dense", "blockwise"):
         return
     call = kernels.Call(
         platform=kernels.default_platform(),
         q_len=seq_len,
         kv_len=seq_len,
         head_dim=model.head_dim,
-        dtype=model.dtype,
+        dtype=policy.dtype,
         packed=False,
         causal=True,
         gpu_capability=kernels.gpu_capability(),
@@ -276,7 +291,7 @@ def check_kernel(model: ModelConfig, seq_len: int) -> None:
     )
     # Each kind of layer the model has (global, and local with its window) must be served.
     for window in sorted({model.sliding_window if local else 0 for local in model.local_layers}):
-        kernels.choose(model.attention, call._replace(window=window))  # one UsageError line when it cannot
+        kernels.choose(policy.attention, call._replace(window=window))  # one UsageError line when it cannot
 
 
 def choose_strategy(cfg: TrainConfig, shape: MeshShape, pipelined: bool = False):
@@ -329,6 +344,7 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
     import jax
 
     cfg.validate()
+    policy = resolve_policy(cfg)
     model, init_source = resolve_model(cfg)
     # The checks that read nothing first, then the run folder and the checkpoint in it.
     shape, dcn = meshlib.resolve_hybrid(
@@ -343,13 +359,13 @@ def resolve(cfg: TrainConfig, *, build: bool = True, output: bool = True) -> Job
         )
     check_auto_remat(cfg)
     if output:  # a training job on the devices JAX has (explain may compile for a TPU topology instead)
-        check_kernel(model, cfg.seq_len)
+        check_kernel(model, policy, cfg.seq_len)
         check_output(cfg, model)
-    if model.remat == "auto":
-        model = model.replace(remat=auto_remat(cfg, model, shape))
+    if policy.remat == "auto":
+        policy = policy.replace(remat=auto_remat(cfg, model, policy, shape))
     if output:
-        check_memory(cfg, model, shape)
-    job = Job(model, shape, dcn if jax.process_count() > 1 else None, pipeline, strategy, rules, init_source)
+        check_memory(cfg, model, policy, shape)
+    job = Job(model, policy, shape, dcn if jax.process_count() > 1 else None, pipeline, strategy, rules, init_source)
     return _build(job) if build else job
 
 
@@ -378,20 +394,22 @@ def resolve_serving(
     context = max_seq_len or min(model.max_seq_len, SERVING_CONTEXT)
     check_serving_mesh(shape, model, max_batch, context, mesh_dim)
     compute = resolve_dtype(dtype, serving=True)
-    model = model.replace(dtype=compute, param_dtype=compute, remat="none")
-    check_serving_memory(model, shape, max_batch or shape.data, context)
-    job = Job(model, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
+    policy = RunPolicy(dtype=compute, param_dtype=compute, remat="none")
+    check_serving_memory(model, compute, shape, max_batch or shape.data, context)
+    job = Job(model, policy, shape, dcn if jax.process_count() > 1 else None, None, DEFAULT, None)
     return _build(job) if build else job
 
 
-def check_serving_memory(model: ModelConfig, shape: MeshShape, max_batch: int, context: int, device=None) -> None:
-    """`check_memory` for serving: the weights and the KV cache against what a device may use."""
+def check_serving_memory(
+    model: ModelConfig, dtype: str, shape: MeshShape, max_batch: int, context: int, device=None
+) -> None:
+    """`check_memory` for serving: the weights and the KV cache in `dtype` against what a device may use."""
     from meshlm.plan.fit import serving_misfit as memory_misfit
 
     if memory_check_off():
         return
     budget, where = device_memory(device)
-    problem = memory_misfit(model, shape, max_batch, context, budget, where) if budget else None
+    problem = memory_misfit(model, dtype, shape, max_batch, context, budget, where) if budget else None
     if problem:
         raise UsageError(f"{problem} ({MEMORY_CHECK}=0 runs it anyway)")
 
@@ -451,5 +469,5 @@ def _build(job: Job) -> Job:
     from meshlm.models.placement import place
 
     job.mesh = meshlib.build_mesh(job.shape, dcn=job.dcn)
-    job.placement = place(job.model, job.mesh, job.strategy, job.rules)
+    job.placement = place(job.model, job.mesh, job.strategy, job.rules, policy=job.policy)
     return job

@@ -43,7 +43,7 @@ def convert_to_hf(
 def export_params(checkpoint: str | Path, out: str | Path, dtype: str | None = None, step: int | None = None) -> Path:
     """`meshlm export --checkpoint=D --out=P`: params only, in the model's compute dtype unless `dtype` is given."""
     with open_source(checkpoint, step) as source:
-        return write_params(source, out, dtype or source.cfg.dtype, flag="--out")
+        return write_params(source, out, dtype or source.compute_dtype, flag="--out")
 
 
 def save_params(

@@ -19,7 +19,13 @@ from meshlm.checkpoint.folders import TOKENIZER_DIR, carried_files
 from meshlm.checkpoint.hf_map import Leaf, get_path, leaves
 from meshlm.checkpoint.safetensors_io import np_dtype
 from meshlm.checkpoint.source import ArraySource, Source
-from meshlm.checkpoint.train_checkpoint import config_from_meta, find_checkpoint, is_train_checkpoint, read_meta
+from meshlm.checkpoint.train_checkpoint import (
+    config_from_meta,
+    find_checkpoint,
+    is_train_checkpoint,
+    policy_from_meta,
+    read_meta,
+)
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
 from meshlm.models.lora import DEFAULT_TARGETS, LoraSpec, merge_tree, merged_weight, place_lora
@@ -134,9 +140,10 @@ def open_base(cfg: ModelConfig, lora: dict, base: str | Path | None = None) -> S
 
     from meshlm.mesh import MeshShape, build_mesh
     from meshlm.models.placement import place
+    from meshlm.models.policy import RunPolicy
 
     mesh = build_mesh(MeshShape(1, 1, 1, 1), jax.devices()[:1])
-    placement = place(cfg.replace(param_dtype="float32"), mesh)
+    placement = place(cfg, mesh, policy=RunPolicy(param_dtype="float32"))
     params = jax.device_get(jax.jit(placement.random_params, static_argnums=0)(int(lora.get("base_seed", 0))))
     dt = np_dtype(lora.get("base_dtype", "float32"))
     return ArraySource(jax.tree.map(lambda a: np.asarray(a).astype(dt), params), cfg)
@@ -152,7 +159,8 @@ class LoraCheckpoint(Source):
         self.path, self.spec = str(path), lora_spec(self.recorded)
         self.base = open_base(self.cfg, self.recorded, base)
         self.where, self.carried = self.base.where, self.base.carried
-        _, _, run_dir = find_checkpoint(path, step)
+        directory, found, run_dir = find_checkpoint(path, step)
+        self.compute_dtype = policy_from_meta(read_meta(directory, found)).dtype
         self.run_files = carried_files(run_dir / TOKENIZER_DIR) if run_dir is not None else ()
         self.adapted = {leaf.name: (a, b) for leaf, a, b in adapted_leaves(self.cfg, self.adapters)}
 
@@ -180,17 +188,17 @@ class LoraCheckpoint(Source):
 
         from meshlm.models.placement import place
 
-        model, mesh, strategy = placement.cfg, placement.mesh, placement.strategy
-        f32 = place(model.replace(param_dtype="float32"), mesh, strategy)
+        model, mesh, strategy, policy = placement.cfg, placement.mesh, placement.strategy, placement.policy
+        f32 = place(model, mesh, strategy, policy=policy.replace(param_dtype="float32"))
         held = (
             f32
             if self.spec.base_dtype == "float32"
-            else place(model.replace(param_dtype=self.spec.base_dtype), mesh, strategy)
+            else place(model, mesh, strategy, policy=policy.replace(param_dtype=self.spec.base_dtype))
         )
         lora = place_lora(f32, self.spec)
         params = self.base.load(held)  # the base as the run trained on it: in its base dtype
         adapters = _put_adapters(self.adapters, lora, self.path)
-        dt = jnp.dtype(model.param_dtype)
+        dt = jnp.dtype(policy.param_dtype)
 
         def merge(b, a):
             return jax.tree.map(lambda w: w.astype(dt), merge_tree(b, a, self.spec.scale))

@@ -29,6 +29,7 @@ class Source:
     cfg: ModelConfig
     where: str
     carried: tuple[Path, ...] = ()  # tokenizer files and generation_config.json to copy along
+    compute_dtype: str = "bfloat16"  # what `meshlm export` writes by default: a run's compute dtype where recorded
 
     def dtype(self, leaf: Leaf) -> np.dtype:
         raise NotImplementedError

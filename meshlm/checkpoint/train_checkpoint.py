@@ -24,6 +24,7 @@ from meshlm.checkpoint.hf_map import Leaf, get_path, leaves, set_path
 from meshlm.checkpoint.source import WholeLeafSource
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
+from meshlm.models.policy import RunPolicy, from_saved
 
 
 def _is_step_dir(p: Path) -> bool:
@@ -95,8 +96,15 @@ def read_meta(directory: Path, step: int) -> dict:
         ckpt.close()
 
 
+def policy_from_meta(meta: dict) -> RunPolicy:
+    """The RunPolicy a run recorded: meta["policy"], or for an older run the policy fields its
+    meta["model"] still holds (defaults for the rest)."""
+    return from_saved(meta.get("policy") or meta.get("model") or {})
+
+
 def config_from_meta(model: dict) -> ModelConfig:
-    """The ModelConfig saved in a checkpoint's meta["model"] (dataclasses.asdict form)."""
+    """The ModelConfig saved in a checkpoint's meta["model"] (dataclasses.asdict form); the run policy's
+    fields an older run saved there are left out (`policy_from_meta` reads them)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     fields = {k: v for k, v in model.items() if k in known}
     if fields.get("rope_scaling"):
@@ -132,6 +140,7 @@ class TrainCheckpoint(WholeLeafSource):
                 "--lora_format=peft writes the adapters, meshlm export --merge the merged weights"
             )
         self.cfg = config_from_meta(meta["model"])
+        self.compute_dtype = policy_from_meta(meta).dtype
         self.state_dir = directory / str(self.step) / "state"
         self._ckptr = ocp.PyTreeCheckpointer()
         try:

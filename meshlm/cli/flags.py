@@ -14,6 +14,7 @@ import typing
 
 from meshlm import config
 from meshlm.errors import UsageError, closest
+from meshlm.models import policy
 from meshlm.models.configs import ModelConfig
 
 
@@ -98,11 +99,11 @@ def add_cluster_flags(parser: argparse.ArgumentParser, description: str | None =
     add_dataclass_flags(group, config.ClusterConfig)
 
 
-# Model fields that are `meshlm train` flags of their own (--dtype, --param_dtype, --remat, --attention):
+# Run policy fields that are `meshlm train` flags of their own (--dtype, --param_dtype, --remat, --attention):
 # the flag is the one way to set them, so `--model.dtype=...` is refused rather than overridden by it.
-TRAIN_FLAG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) & frozenset(
-    f.name for f in config.flag_fields()
-)
+TRAIN_FLAG_FIELDS = frozenset(policy.FIELDS) & frozenset(f.name for f in config.flag_fields())
+# What `--model.FIELD` sets: the model's fields, and the run policy's that have no flag (`policy.OVERRIDES`).
+MODEL_KEYS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) | frozenset(policy.OVERRIDES)
 
 
 def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -118,8 +119,7 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                 value, i = argv[i + 1], i + 1
             if key in TRAIN_FLAG_FIELDS:
                 raise UsageError(f"--model.{key}: set it with --{key}={value or 'VALUE'} (a flag of its own)")
-            fields = {f.name for f in dataclasses.fields(ModelConfig)} - TRAIN_FLAG_FIELDS
-            if key not in fields and (hint := did_you_mean(key, fields, "--model.")):
+            if key not in MODEL_KEYS and (hint := did_you_mean(key, MODEL_KEYS, "--model.")):
                 raise UsageError(f"--model.{key}: unknown model field{hint}")
             overrides[key] = value
         else:

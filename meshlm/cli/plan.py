@@ -169,8 +169,9 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
     from meshlm.plan import report, search
     from meshlm.plan.hardware import resolve_hardware, with_peak
 
-    cfg, _ = joblib.resolve_model(train_cfg, backend=key if key == "cpu" else "accelerator")
-    dtype = cfg.dtype
+    policy = joblib.resolve_policy(train_cfg, backend=key if key == "cpu" else "accelerator")
+    cfg, _ = joblib.resolve_model(train_cfg)
+    dtype = policy.dtype
     flags, pp = _pipeline(args, train_cfg)
     only = resolve_mesh_shape(args.mesh_dim, None, False, n_devices, pp) if args.mesh_dim else None
     if only is not None:
@@ -183,7 +184,7 @@ def _run(args, train_cfg, overrides: dict, n_devices: int, per_host: int | None,
         joblib.check_mesh(train_cfg, only, cfg)
     hw = resolve_hardware(args.hardware, n_devices, dtype, per_host)
     hw = with_peak(hw, args.peak_tflops)
-    job = joblib.plan_job(train_cfg, cfg, n_devices)
+    job = joblib.plan_job(train_cfg, cfg, policy, n_devices)
     pps = search.auto_pps(job) if pp is None else (pp,)
     plans, rejected = search.search(job, hw, only, pps)
 

@@ -164,7 +164,7 @@ def load(args, console):
         )
     cfg = model.cfg
     console.print(
-        f"loaded {model.name} ({cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}) in "
+        f"loaded {model.name} ({cfg.num_params() / 1e6:.1f}M params, {model.placement.policy.dtype}) in "
         f"{time.perf_counter() - t0:.1f} s on --mesh_dim={job.shape}"
     )
     return model, job.shape

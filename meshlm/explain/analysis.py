@@ -175,7 +175,7 @@ def boundaries(placement: Placement, batch_size: int, seq_len: int) -> list[dict
 
     out = []
     shape = (batch_size, seq_len, placement.cfg.d_model)
-    x = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(placement.cfg.dtype))
+    x = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(placement.policy.dtype))
     logical = axes.STREAM
     for a, b in zip(placement.groups, placement.groups[1:]):
         specs = [

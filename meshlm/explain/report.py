@@ -102,7 +102,7 @@ def explain(
     }
     if pipeline is not None:
         mb_shape = (cfg.batch_size // pipeline.microbatches, cfg.seq_len, job.model.d_model)
-        moves = PL.transfers(found, pipeline, mb_shape, np.dtype(job.model.dtype).itemsize)
+        moves = PL.transfers(found, pipeline, mb_shape, np.dtype(job.policy.dtype).itemsize)
         report["pipeline"] = {
             "schedule": PL.describe(pipeline),
             "stages": PL.stage_layout(placement, pipeline),

@@ -96,7 +96,7 @@ def compile_placed(job: Job, shape: MeshShape, devices: list[Any]):
     from meshlm.train.step import BATCH_KEYS, make_train_step
 
     mesh = build_mesh(shape, devices)
-    placement = place(job.cfg, mesh)
+    placement = place(job.cfg, mesh, policy=job.policy)
     opt_cfg = OptimizerConfig()
     optimizer = make_optimizer(opt_cfg)
     rows = sharding.batch_sharding(mesh, placement.strategy)

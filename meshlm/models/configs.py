@@ -48,9 +48,10 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of the decoder (`meshlm.models.decoder`). Every field can be overridden from the
-    CLI as --model.FIELD. The architecture fields after `tie_embeddings` turn on what the open families
-    differ by; each is named for what it does, and its default is LLaMA's."""
+    """What the decoder is (`meshlm.models.decoder`): its shapes and the fields the families differ by;
+    how a run runs it (dtypes, remat, kernels) is `meshlm.models.policy.RunPolicy`. Every field can be
+    overridden from the CLI as --model.FIELD. The architecture fields after `tie_embeddings` turn on what
+    the open families differ by; each is named for what it does, and its default is LLaMA's."""
 
     vocab_size: int = 32000
     d_model: int = 4096
@@ -83,21 +84,6 @@ class ModelConfig:
     # a local first layer (Gemma 2), "LLLLLG" is Gemma 3's. "": every layer local when sliding_window > 0.
     layer_pattern: str = ""
     local_rope_theta: float = 0.0  # > 0: local layers' RoPE base, without rope_scaling (Gemma 3); 0: as global
-    dtype: str = "bfloat16"  # compute dtype of matmuls; softmax and loss are always float32
-    param_dtype: str = "float32"
-    remat: str = "none"  # see meshlm.models.decoder.REMAT_POLICIES
-    attention: str = "auto"  # attention kernel, see meshlm.ops.kernels
-    # Training loss: positions of each row whose float32 logits exist at once (meshlm.models.loss);
-    # 0: the whole sequence in one piece.
-    loss_chunk: int = 1024
-    # Layers per iteration of the training layer loop (a lax.scan): 1 keeps one compiled layer;
-    # n_layers unrolls the loop into straight-line code (longer compiles, no per-layer loop overhead);
-    # 0: auto, n_layers on GPU (8 llama3-8b layers on an H200: 9% faster, 13 GiB less), 1 elsewhere.
-    scan_unroll: int = 0
-    # cuDNN attention over packed documents (GPU): the most documents one row holds. Its workspace grows
-    # with it ([rows x max_documents, T, heads, head_dim] float32); in a row with more, the documents
-    # from the max_documents-th on attend to each other (`meshlm train` warns when a batch has one).
-    max_documents: int = 8
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -110,12 +96,6 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--model.{name}={getattr(self, name)} must be a positive integer")
-        if self.loss_chunk < 0:
-            raise UsageError(f"--model.loss_chunk={self.loss_chunk}: give positions per loss chunk, or 0 for none")
-        if self.scan_unroll < 0:
-            raise UsageError(f"--model.scan_unroll={self.scan_unroll}: give layers per loop iteration, or 0 for auto")
-        if self.max_documents < 1:
-            raise UsageError(f"--model.max_documents={self.max_documents} must be a positive integer")
         if self.n_heads % self.n_kv_heads:
             raise UsageError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "

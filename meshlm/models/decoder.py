@@ -23,6 +23,7 @@ from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
 from meshlm.models.layers import Block, LayerCache, RMSNorm, embed_scale, param, rms_norm
 from meshlm.models.loss import head_loss_sums, project, soft_cap
+from meshlm.models.policy import RunPolicy
 from meshlm.models.remat import POLICIES as REMAT_NAMES
 from meshlm.models.remat import checkpoint_policy
 
@@ -30,12 +31,12 @@ from meshlm.models.remat import checkpoint_policy
 REMAT_POLICIES = {name: checkpoint_policy(name) for name in REMAT_NAMES}
 
 
-def scan_unroll(cfg: ModelConfig, count: int) -> int:
-    """Layers per iteration of a loop over `count` layers: `cfg.scan_unroll`, or for 0 (auto) all of
+def scan_unroll(policy: RunPolicy, count: int) -> int:
+    """Layers per iteration of a loop over `count` layers: `policy.scan_unroll`, or for 0 (auto) all of
     them where the backend's profile unrolls the loop (GPU: the loop's per-layer copies of its stacked
     residuals cost more there than the longer compile), else one compiled layer."""
-    if cfg.scan_unroll:
-        return max(1, min(cfg.scan_unroll, count))
+    if policy.scan_unroll:
+        return max(1, min(policy.scan_unroll, count))
     return count if traced_profile().unroll_layers else 1
 
 
@@ -45,21 +46,22 @@ class Decoder(nnx.Module):
     The parts take the weights they use from an optional parameter tree (the model's own when None), so
     that code holding only some of the weights runs them too: a pipeline stage, a layer group."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        if cfg.remat not in REMAT_POLICIES:
-            raise UsageError(f"--remat={cfg.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-        self.cfg = cfg
-        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), axes.EMBED_TABLE, cfg.init_std, cfg.param_dtype)
+    def __init__(self, cfg: ModelConfig, policy: RunPolicy, rngs: nnx.Rngs):
+        if policy.remat == "auto":  # RunPolicy checks the names; auto is the job's to resolve first
+            raise UsageError(f"--remat=auto is resolved by the job; choose one of {', '.join(REMAT_POLICIES)}")
+        self.cfg, self.policy = cfg, policy
+        pd = policy.param_dtype
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), axes.EMBED_TABLE, cfg.init_std, pd)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(rngs):
-            return Block(cfg, rngs)
+            return Block(cfg, policy, rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = RMSNorm(cfg, rngs)
+        self.final_norm = RMSNorm(cfg, policy, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), axes.HEAD, cfg.init_std, cfg.param_dtype)
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), axes.HEAD, cfg.init_std, pd)
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, return_kv: bool = False, select=None):
         """Logits [B, T, V] (or [B, 1, V] at index `select` [B] of each row).
@@ -82,7 +84,7 @@ class Decoder(nnx.Module):
         # The table stays as it is stored, cast to the compute dtype: its vocab split over the model axis
         # (each shard looks up its own rows, one reduction assembles them) and its embed dimension split
         # for memory. The token ids go to the table rather than the table to the ids (`sharding.lookup`).
-        x = sharding.lookup(table.astype(jnp.dtype(self.cfg.dtype)), tokens)
+        x = sharding.lookup(table.astype(jnp.dtype(self.policy.dtype)), tokens)
         if (scale := embed_scale(self.cfg)) != 1.0:
             x = x * jnp.asarray(scale, x.dtype)  # in the compute dtype, as the families' own code rounds it
         return sharding.constrain(x, axes.STREAM), positions
@@ -90,7 +92,7 @@ class Decoder(nnx.Module):
     def run_layers(
         self, x, positions, segment_ids=None, layers=None, *, return_kv: bool = False, adapt=None, first: int = 0
     ):
-        """The layer loop: one scan over stacked layers, each layer under the `cfg.remat` policy.
+        """The layer loop: one scan over stacked layers, each layer under the `policy.remat` policy.
 
         `layers`: a stacked-layers parameter tree (leading axis: its layers; the tree of `params["layers"]`)
         to run instead of this model's own, e.g. one layer group's or one pipeline stage's; `first`: the
@@ -104,7 +106,7 @@ class Decoder(nnx.Module):
         period = min(self.cfg.pattern_period, count)
         kinds = self.cfg.local_layers[first : first + period]
         groups, rest = divmod(count, period)
-        unroll = scan_unroll(self.cfg, groups)
+        unroll = scan_unroll(self.policy, groups)
         # A scan of one layer per iteration keeps each recomputation in the backward loop; with several
         # layers in straight-line code XLA would merge it with the forward's (common subexpressions) and
         # keep every activation, as with `none`, unless each layer's recomputation is fenced off.
@@ -132,7 +134,7 @@ class Decoder(nnx.Module):
 
     def _layer_fn(self, graphdef, positions, segment_ids, adapt, *, fenced: bool):
         """(x, one layer's weights, local) -> (x, (k, v)): one layer, under the remat policy."""
-        policy = REMAT_POLICIES[self.cfg.remat] if self.cfg.remat != "none" else None
+        policy = REMAT_POLICIES[self.policy.remat] if self.policy.remat != "none" else None
 
         def run(local: bool):
             def layer(x, params):
@@ -153,13 +155,11 @@ class Decoder(nnx.Module):
 
     def head_loss(self, x, targets, loss_mask, params=None, *, one_hot: bool = False):
         """The head and the token loss in one: (sum of the losses of tokens whose `loss_mask` is 1, their
-        number), float32, with the logits computed `cfg.loss_chunk` positions at a time and never kept
+        number), float32, with the logits computed `policy.loss_chunk` positions at a time and never kept
         whole (`meshlm.models.loss.head_loss_sums`). `params` as for `head`."""
         x, weights = self._head_input(x, params)
-        cfg = self.cfg
-        return head_loss_sums(
-            x, weights, targets, loss_mask, chunk=cfg.loss_chunk, one_hot=one_hot, softcap=cfg.final_logit_softcap
-        )
+        chunk, cap = self.policy.loss_chunk, self.cfg.final_logit_softcap
+        return head_loss_sums(x, weights, targets, loss_mask, chunk=chunk, one_hot=one_hot, softcap=cap)
 
     def _head_input(self, x, params=None):
         """(the final-normed stream, the output weights [E, V]) from this model's or `params`' weights."""

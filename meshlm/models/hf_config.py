@@ -61,7 +61,6 @@ GEMMA3_TEXT_DEFAULTS = dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
     num_key_value_heads=4,
 )  # fmt: skip
-RUN_FIELDS = ("dtype", "param_dtype", "remat", "attention", "loss_chunk", "scan_unroll", "max_documents")
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
@@ -222,8 +221,8 @@ def _family_fields(cfg: ModelConfig, fam: Family) -> dict[str, Any]:
 
 
 def math_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """cfg's fields that change what the model computes, in one spelling per meaning (run settings left out)."""
-    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RUN_FIELDS}
+    """cfg's fields that change what the model computes, in one spelling per meaning."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     local = cfg.local_layers
     out["attention_scale"] = round(cfg.attention_scale or cfg.head_dim**-0.5, 12)
     out["layer_pattern"] = layer_pattern(list(local)) if any(local) else ""

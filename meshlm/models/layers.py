@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshlm import axes, sharding
 from meshlm.models.configs import ModelConfig
+from meshlm.models.policy import RunPolicy
 from meshlm.models.rope import apply_rope, rope_frequencies
 from meshlm.ops import kernels
 from meshlm.ops.decode import decode_attention
@@ -47,13 +48,13 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) ->
 class RMSNorm(nnx.Module):
     """Over the last axis (`size` wide); its weight starts at the identity: ones, or zeros under an offset."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, size: int = 0, logical=axes.NORM):
+    def __init__(self, cfg: ModelConfig, policy: RunPolicy, rngs: nnx.Rngs, size: int = 0, logical=axes.NORM):
         self.eps, self.offset = cfg.norm_eps, cfg.norm_offset
         shape = (size or cfg.d_model,)
         if cfg.norm_offset:
-            self.scale = zeros(shape, logical, cfg.param_dtype)
+            self.scale = zeros(shape, logical, policy.param_dtype)
         else:
-            self.scale = param(rngs, shape, logical, 0.0, cfg.param_dtype)
+            self.scale = param(rngs, shape, logical, 0.0, policy.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps, self.offset)
@@ -84,9 +85,9 @@ class LayerCache(NamedTuple):
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE; RingAttention over the sequence axis when it is sharded."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        E, H, K, D, std, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std, cfg.param_dtype
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, policy: RunPolicy, rngs: nnx.Rngs):
+        E, H, K, D, std, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std, policy.param_dtype
+        self.cfg, self.policy = cfg, policy
         self.wq = param(rngs, (E, H, D), axes.WQ, std, pd)
         self.wk = param(rngs, (E, K, D), axes.WKV, std, pd)
         self.wv = param(rngs, (E, K, D), axes.WKV, std, pd)
@@ -97,8 +98,8 @@ class Attention(nnx.Module):
         if cfg.out_bias:
             self.bo = zeros((E,), axes.NORM, pd)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg, rngs, D, axes.WQ[2:])
-            self.k_norm = RMSNorm(cfg, rngs, D, axes.WQ[2:])
+            self.q_norm = RMSNorm(cfg, policy, rngs, D, axes.WQ[2:])
+            self.k_norm = RMSNorm(cfg, policy, rngs, D, axes.WQ[2:])
 
     def __call__(self, x, positions, segment_ids, cache: LayerCache | None = None, *, local: bool = False):
         """Returns (output, (k, v)): this call's keys and values, or with `cache` the updated cache.
@@ -117,7 +118,8 @@ class Attention(nnx.Module):
         score = dict(window=cfg.sliding_window if local else 0, softcap=cfg.attn_logit_softcap,
                      scale=cfg.attention_scale or None)  # fmt: skip
         if cache is None:
-            out = attend(q, k, v, positions, segment_ids, kernel=cfg.attention, max_documents=cfg.max_documents,
+            run = self.policy
+            out = attend(q, k, v, positions, segment_ids, kernel=run.attention, max_documents=run.max_documents,
                          **score)  # fmt: skip
         else:
             k, v = cache.write(k, v, positions)
@@ -177,8 +179,8 @@ ACTIVATION = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approxi
 class MLP(nnx.Module):
     """Gated: down(act(x @ gate) * (x @ up)), SwiGLU or GeGLU by `cfg.mlp_activation`."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        E, M, std, pd = cfg.d_model, cfg.mlp_dim, cfg.init_std, cfg.param_dtype
+    def __init__(self, cfg: ModelConfig, policy: RunPolicy, rngs: nnx.Rngs):
+        E, M, std, pd = cfg.d_model, cfg.mlp_dim, cfg.init_std, policy.param_dtype
         self.act = ACTIVATION[cfg.mlp_activation]
         self.gate = param(rngs, (E, M), axes.MLP_IN, std, pd)
         self.up = param(rngs, (E, M), axes.MLP_IN, std, pd)
@@ -200,15 +202,15 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """x + attn(norm(x)), then + mlp(norm(x)); with `post_norms` each output is normed before its add."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+    def __init__(self, cfg: ModelConfig, policy: RunPolicy, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, policy, rngs)
+        self.attn = Attention(cfg, policy, rngs)
+        self.mlp_norm = RMSNorm(cfg, policy, rngs)
+        self.mlp = MLP(cfg, policy, rngs)
         self.post_norms = cfg.post_norms
         if cfg.post_norms:
-            self.post_attn_norm = RMSNorm(cfg, rngs)
-            self.post_mlp_norm = RMSNorm(cfg, rngs)
+            self.post_attn_norm = RMSNorm(cfg, policy, rngs)
+            self.post_mlp_norm = RMSNorm(cfg, policy, rngs)
 
     def __call__(self, x, positions, segment_ids, cache: LayerCache | None = None, *, local: bool = False):
         h, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache, local=local)

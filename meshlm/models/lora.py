@@ -220,7 +220,7 @@ def merged_weight(w, a, b, scale: float):
 def place_lora(placement: Placement, spec: LoraSpec) -> LoraPlacement:
     """Find the targeted weights and lay out their adapters by each weight's strategy table (the same
     tables as the weights; `lora_rank` whole). [[rules]] of `--sharding_rules` apply to weights only."""
-    if getattr(placement.cfg, "param_dtype", "float32") != "float32":
+    if placement.policy.param_dtype != "float32":
         raise UsageError(
             "LoRA adapters train in float32: use --param_dtype=float32 (--lora_base_dtype=bfloat16 "
             "keeps the frozen base in bfloat16)"

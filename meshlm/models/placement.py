@@ -26,13 +26,14 @@ from meshlm import axes, sharding
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
 from meshlm.models.decoder import Decoder
+from meshlm.models.policy import DEFAULT_POLICY, RunPolicy
 from meshlm.strategy.presets import DEFAULT
 from meshlm.strategy.rules import LayerGroup, Rules, flatten, resolve, unflatten
 
 
-def _build(cfg: ModelConfig, seed: int) -> Decoder:
+def _build(cfg: ModelConfig, policy: RunPolicy, seed: int) -> Decoder:
     with nnx.use_eager_sharding(False):  # logical names only; placement happens through jit out_shardings
-        return Decoder(cfg, nnx.Rngs(seed))
+        return Decoder(cfg, policy, nnx.Rngs(seed))
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +49,7 @@ class Placement:
     opt_specs: Any = None  # where optimizer moments live (ZeRO stage 1+ shards them); None: as specs
     sources: Any = None  # {"layers/mlp/gate": "table default", ...}: what produced each spec
     groups: tuple[LayerGroup, ...] = ()  # per-layer-range strategies; () when the layers are one stack
+    policy: RunPolicy = DEFAULT_POLICY  # how the model runs: dtypes, remat, attention kernel, loss chunks
 
     @cached_property
     def shardings(self) -> Any:
@@ -83,7 +85,7 @@ class Placement:
 
     def random_params(self, seed: int = 0) -> Any:
         """Traceable: random parameters as a pure dict. Same values on every mesh (and grouping) for the same seed."""
-        return self.grouped(nnx.to_pure_dict(nnx.state(_build(self.cfg, seed), nnx.Param)))
+        return self.grouped(nnx.to_pure_dict(nnx.state(_build(self.cfg, self.policy, seed), nnx.Param)))
 
     def grouped(self, params: Any) -> Any:
         """The one-stack tree -> this placement's tree (layer groups split off; the same tree without groups)."""
@@ -118,7 +120,7 @@ class Placement:
     @cached_property
     def structure(self) -> Decoder:
         """The model without weights (abstract): its parts run on parameter trees given to them."""
-        return nnx.eval_shape(lambda: _build(self.cfg, 0))
+        return nnx.eval_shape(lambda: _build(self.cfg, self.policy, 0))
 
     def stream(
         self, params: Any, tokens: jax.Array, positions=None, segment_ids=None, extra=None, adapt=None
@@ -187,10 +189,17 @@ class Placement:
         return total
 
 
-def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT, rules: Rules | None = None) -> Placement:
+def place(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    strategy: sharding.Strategy = DEFAULT,
+    rules: Rules | None = None,
+    policy: RunPolicy = DEFAULT_POLICY,
+) -> Placement:
     """Trace the model abstractly and lay out each parameter (and its gradient and optimizer moments)
-    by its strategy's tables, then by the first matching rule (`meshlm.strategy`)."""
-    abstract = nnx.eval_shape(lambda: _build(cfg, 0))
+    by its strategy's tables, then by the first matching rule (`meshlm.strategy`). `policy`: how the
+    model runs (its parameters' dtype among it)."""
+    abstract = nnx.eval_shape(lambda: _build(cfg, policy, 0))
     graphdef, state = nnx.split(abstract, nnx.Param)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
     shapes = nnx.to_pure_dict(state)
@@ -218,5 +227,5 @@ def place(cfg: ModelConfig, mesh: Mesh, strategy: sharding.Strategy = DEFAULT, r
     resolved = resolve({p: tuple(s) for p, s in flatten(logical).items()}, flat_shapes, strategy_of, rules, mesh)
     specs, grad_specs, opt_specs = (unflatten(resolved.specs[w]) for w in ("params", "grads", "opt_state"))
     return Placement(
-        cfg, mesh, strategy, graphdef, logical, specs, shapes, grad_specs, opt_specs, resolved.sources, groups
+        cfg, mesh, strategy, graphdef, logical, specs, shapes, grad_specs, opt_specs, resolved.sources, groups, policy
     )

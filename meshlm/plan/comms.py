@@ -149,7 +149,7 @@ def _tensor_parallel(add, job: Job, loc: Local, backend: str) -> None:
     a, n, E = job.act_bytes, loc.tokens, cfg.d_model
     g, _ = _element_bytes(job, backend)
     fsdp_on = sizes["fsdp"] * sizes["sp"] > 1
-    recompute = 1 if cfg.remat in RECOMPUTES_ATTN_OUT else 0
+    recompute = 1 if job.policy.remat in RECOMPUTES_ATTN_OUT else 0
     add("all-reduce", ("tp",), n * E * a, (1 + recompute) * L * A, "attn.out", "tp: sum partial outputs", False)
     add("all-reduce", ("tp",), n * E * a, L * A, "mlp.down", "tp: sum partial outputs", False)
     if backend == "tpu" and fsdp_on and (sizes["sp"] > 1 or job.seq_len >= TPU_REGATHER_FROM):
@@ -186,7 +186,7 @@ def _ring(add, job: Job, kv_heads: int, n: int, a: int, s: int, backend: str) ->
     """RingAttention's sends over sp (s > 1) for `predict`: n tokens per device, a bytes per activation."""
     cfg, L, A = job.cfg, job.cfg.n_layers, job.grad_accum
     kv, kv32, ids = n * kv_heads * cfg.head_dim * a, n * kv_heads * cfg.head_dim * 4, n * 4
-    rings = 2 if cfg.remat in RECOMPUTES_RING else 1
+    rings = 2 if job.policy.remat in RECOMPUTES_RING else 1
     add("collective-permute", ("sp",), 2 * kv, s * L * A * rings, "attention", "ring: pass k, v (forward)")
     add("collective-permute", ("sp",), 2 * ids, s * A, "attention", "ring: pass positions, segment ids (forward)")
     add(

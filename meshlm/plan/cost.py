@@ -134,7 +134,7 @@ def operator_table(job: Job, shape: MeshShape, hw: Hardware, collectives: list[c
     loc = job.local(shape)
     L, A = job.cfg.n_layers, job.grad_accum
     fwd = matmul_flops(loc)
-    recomputed = _RECOMPUTED.get(job.cfg.remat, set())
+    recomputed = _RECOMPUTED.get(job.policy.remat, set())
     rows = {
         name: (text, fwd[name] * (3 + (name in recomputed)) * L * A if flops is None else flops)
         for name, (text, flops) in operator_rows(job, shape).items()
@@ -165,7 +165,7 @@ def rated_operators(
     ops = []
     for name, (text, flops) in rows.items():
         op = Operator(name, text, flops, [c for c in collectives if c.op == name])
-        op.compute_s = flops / hw.peak_flops(job.cfg.dtype)
+        op.compute_s = flops / hw.peak_flops(job.policy.dtype)
         if name in ROW_MATMULS:
             op.compute_s /= hw.matmul_efficiency(loc.tokens)
         if name == "attention":
@@ -189,7 +189,7 @@ def _rate(op: Operator, shape: MeshShape, hw: Hardware, loc: Local) -> None:
     bandwidth = {"fast": hw.fast_bandwidth, "slow": hw.slow_bandwidth}
     link = max(per_link, key=lambda k: per_link[k] / bandwidth[k])
     op.link = hw.slow_name if link == "slow" else hw.fast_name
-    op.ridge = hw.peak_flops(loc.cfg.dtype) / bandwidth[link]
+    op.ridge = hw.peak_flops(loc.policy.dtype) / bandwidth[link]
     if op.flops > 0:
         op.intensity = op.flops / per_link[link]
         if op.intensity < op.ridge:
@@ -254,7 +254,7 @@ def elementwise_bytes(job: Job, shape: MeshShape, backend: str) -> float:
     the backward `RESIDUAL_PASSES[backend]` times more (so keeping more is not free)."""
     loc = job.local(shape)
     per_token = 3 * saved_per_token_layer(loc, "none") + RESIDUAL_PASSES[backend] * saved_per_token_layer(
-        loc, job.cfg.remat
+        loc, job.policy.remat
     )
     return job.cfg.n_layers * job.grad_accum * loc.tokens * per_token * job.act_bytes
 
@@ -282,5 +282,5 @@ def step_time(
         exposed = serial + max(0.0, background - compute_s)
     step = compute_s + exposed
     tokens_per_s = job.tokens / step
-    mfu = model_flops_per_token(job.cfg, job.seq_len) * tokens_per_s / (job.n_devices * hw.peak_flops(job.cfg.dtype))
+    mfu = model_flops_per_token(job.cfg, job.seq_len) * tokens_per_s / (job.n_devices * hw.peak_flops(job.policy.dtype))
     return StepTime(compute_s, memory_s, serial + background, exposed, step, tokens_per_s, mfu)

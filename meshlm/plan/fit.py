@@ -53,8 +53,8 @@ def auto_policy(
 def peak(job: Job, shape: MeshShape, compiler: str = "cpu") -> float:
     """The predicted peak bytes per device (`estimate.memory_pie`); `--remat=auto` as `full`, the least
     any policy it may choose needs."""
-    if job.cfg.remat == "auto":
-        job = replace(job, cfg=job.cfg.replace(remat="full"))
+    if job.policy.remat == "auto":
+        job = replace(job, policy=job.policy.replace(remat="full"))
     return estimate.memory_pie(job, shape, compiler).total
 
 
@@ -63,10 +63,10 @@ def _changes(job: Job, shape: MeshShape):
     mesh of the same devices, a smaller batch, shorter sequences, a smaller preset."""
     from meshlm.models.presets import PRESETS
 
-    c = job.cfg
-    if c.remat != "auto":
-        for policy in POLICIES[POLICIES.index(c.remat) + 1 :]:
-            yield f"--remat={policy}", replace(job, cfg=c.replace(remat=policy)), shape
+    c, run = job.cfg, job.policy
+    if run.remat != "auto":
+        for policy in POLICIES[POLICIES.index(run.remat) + 1 :]:
+            yield f"--remat={policy}", replace(job, policy=run.replace(remat=policy)), shape
     for accum in (2, 4, 8, 16, 32, 64):
         if accum > job.grad_accum and job.batch_size % accum == 0:
             yield f"--grad_accum={accum}", replace(job, grad_accum=accum), shape
@@ -88,8 +88,7 @@ def _changes(job: Job, shape: MeshShape):
     for name in smaller:
         preset = PRESETS[name]
         if job.seq_len <= preset.max_seq_len:
-            model = preset.replace(dtype=c.dtype, param_dtype=c.param_dtype, remat=c.remat, attention=c.attention)
-            yield f"--model={name}", replace(job, cfg=model), shape
+            yield f"--model={name}", replace(job, cfg=preset), shape
 
 
 def nearest_fit(job: Job, shape: MeshShape, device_bytes: float, compiler: str = "cpu") -> str | None:
@@ -109,7 +108,7 @@ def misfit(
     if within(need, device_bytes):
         return None
     fix = nearest_fit(job, shape, device_bytes, compiler)
-    remat = "" if job.cfg.remat == "auto" else f" with --remat={job.cfg.remat}"
+    remat = "" if job.policy.remat == "auto" else f" with --remat={job.policy.remat}"
     return (
         f"this job needs about {need / 1e9:.1f} GB per device{remat} (predicted peak), more than the "
         f"{usable_bytes(device_bytes) / 1e9:.1f} GB that {where}; "
@@ -117,12 +116,12 @@ def misfit(
     )
 
 
-def serving_bytes(model, shape: MeshShape, max_batch: int, context: int) -> tuple[float, float]:
-    """(weights, KV cache) bytes per device of a serving engine: the weights in the compute dtype split
+def serving_bytes(model, dtype: str, shape: MeshShape, max_batch: int, context: int) -> tuple[float, float]:
+    """(weights, KV cache) bytes per device of a serving engine: the weights in the compute `dtype` split
     over tp and fsdp×sp, the cache's keys and values over the data axes, the kv heads on tp and sp."""
     import jax.numpy as jnp
 
-    size = jnp.dtype(model.dtype).itemsize
+    size = jnp.dtype(dtype).itemsize
     weights = model.num_params() * size / (shape.tp * shape.fsdp * shape.sp)
     kv_ways = shape.data * min(shape.tp, model.n_kv_heads) * shape.sp
     cache = 2 * model.n_layers * max_batch * context * model.n_kv_heads * model.head_dim * size / kv_ways
@@ -130,11 +129,11 @@ def serving_bytes(model, shape: MeshShape, max_batch: int, context: int) -> tupl
 
 
 def serving_misfit(
-    model, shape: MeshShape, max_batch: int, context: int, device_bytes: float, where: str = "a device"
+    model, dtype: str, shape: MeshShape, max_batch: int, context: int, device_bytes: float, where: str = "a device"
 ) -> str | None:
-    """One line when a serving engine's weights and KV cache (`serving_bytes`) do not fit `device_bytes`,
-    naming the smaller --max_seq_len or --max_batch that fits; None when they fit."""
-    weights, cache = serving_bytes(model, shape, max_batch, context)
+    """One line when a serving engine's weights and KV cache (`serving_bytes`, in `dtype`) do not fit
+    `device_bytes`, naming the smaller --max_seq_len or --max_batch that fits; None when they fit."""
+    weights, cache = serving_bytes(model, dtype, shape, max_batch, context)
     if within(weights + cache, device_bytes):
         return None
     head = (
@@ -147,6 +146,6 @@ def serving_misfit(
         (f"--max_batch={b}", b, context) for b in batches
     ]
     for flag, batch, length in tries:
-        if within(sum(serving_bytes(model, shape, batch, length)), device_bytes):
+        if within(sum(serving_bytes(model, dtype, shape, batch, length)), device_bytes):
             return f"{head}; nearest change that fits: {flag}"
     return f"{head}; use a smaller model, a smaller --dtype or more devices"

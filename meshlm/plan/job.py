@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, check_shape_fits
 from meshlm.models.configs import ModelConfig
+from meshlm.models.policy import RunPolicy
 from meshlm.strategy import DEFAULT
 
 # The layout the memory and cost models compute with: the one strategy they plan.
@@ -71,7 +72,7 @@ def _pipeline_problem(
 
 @dataclass(frozen=True)
 class Job:
-    """A training step to place: `cfg` carries dtype, param_dtype and remat."""
+    """A training step to place: the model `cfg`, run as `policy` says (dtype, param_dtype, remat)."""
 
     cfg: ModelConfig
     batch_size: int  # global sequences per step (all devices, all micro-batches)
@@ -79,6 +80,7 @@ class Job:
     n_devices: int
     grad_accum: int = 1
     pipeline: PipelineFlags = field(default_factory=PipelineFlags)  # used on meshes with pp > 1
+    policy: RunPolicy = field(default_factory=RunPolicy)
 
     @property
     def tokens(self) -> int:
@@ -88,12 +90,12 @@ class Job:
     @property
     def act_bytes(self) -> int:
         """Bytes of one activation element (compute dtype)."""
-        return jnp.dtype(self.cfg.dtype).itemsize
+        return jnp.dtype(self.policy.dtype).itemsize
 
     @property
     def param_bytes(self) -> int:
         """Bytes of one parameter, gradient or optimizer-moment element."""
-        return jnp.dtype(self.cfg.param_dtype).itemsize
+        return jnp.dtype(self.policy.param_dtype).itemsize
 
     def problem(self, shape: MeshShape) -> str | None:
         """Why this mesh cannot run the job (the checks `meshlm train` makes), or None."""
@@ -135,6 +137,10 @@ class Local:
     @property
     def cfg(self) -> ModelConfig:
         return self.job.cfg
+
+    @property
+    def policy(self) -> RunPolicy:
+        return self.job.policy
 
     @property
     def rows(self) -> int:

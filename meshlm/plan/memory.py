@@ -130,9 +130,10 @@ LOSS_PLACE = {"logits": 0.43, "tables": 0.47}
 UNROLLED_WORKING_SET = {"stream": 11.71, "layer": 1.09, "weights": 3.28, "accum": 2.23}
 
 
-def unrolled_on_gpu(cfg, compiler: str) -> bool:
+def unrolled_on_gpu(job: Job, compiler: str) -> bool:
     """Whether the compiled step runs its layers unrolled on a GPU (`scan_unroll` 0, auto, or every layer)."""
-    return compiler == "gpu" and (cfg.scan_unroll == 0 or cfg.scan_unroll >= cfg.n_layers)
+    unroll = job.policy.scan_unroll
+    return compiler == "gpu" and (unroll == 0 or unroll >= job.cfg.n_layers)
 
 
 def unrolled_places(exact: dict[str, int], sizes: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -221,10 +222,10 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
     batch) and the size of one buffer of each `PLACES` term."""
     loc = job.local(shape)
     cfg = job.cfg
-    state = state_bytes(cfg)
+    state = state_bytes(cfg, param_dtype=job.policy.param_dtype)
     a, p, n = job.act_bytes, job.param_bytes, loc.tokens
     grads = state.grads_bytes(shape)
-    activations = cfg.n_layers * n * saved_per_token_layer(loc, cfg.remat) * a
+    activations = cfg.n_layers * n * saved_per_token_layer(loc, job.policy.remat) * a
     fsdp = shape.fsdp * shape.sp > 1
     stream = n * cfg.d_model * a
     exact = {
@@ -281,7 +282,7 @@ def estimate(job: Job, shape: MeshShape, compiler: str = "cpu") -> MemoryPie:
     ("cpu", "gpu", "tpu" or a TPU with on-chip memory; `compiler_for(hardware)` picks it)."""
     exact, sizes = terms(job, shape)
     grads, activations = exact["gradients"], exact["activations"]
-    unrolled = unrolled_on_gpu(job.cfg, compiler)
+    unrolled = unrolled_on_gpu(job, compiler)
     live = unrolled_places(exact, sizes) if unrolled else places(exact, sizes, shape, compiler)
     place = max(live, key=lambda name: sum(live[name].values()))
     # Temporaries: the place's buffers, less the gradients and activations counted in the pie.

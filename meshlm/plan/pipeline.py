@@ -106,7 +106,7 @@ def memory_terms(job: Job, shape: MeshShape) -> dict[str, int]:
     s = schedule_of(job.pipeline, shape.pp)
     st = stage_shape(job, shape)
     loc = in_stage_local(job, shape)
-    state = state_bytes(job.cfg)
+    state = state_bytes(job.cfg, param_dtype=job.policy.param_dtype)
     sizes = shape.as_dict()
     stacked = [leaf for leaf in state.params if leaf.logical and "layers" in leaf.logical]
     layers = 4 * sum(local_elements(leaf, sizes, state.strategy) for leaf in stacked)
@@ -120,7 +120,7 @@ def memory_terms(job: Job, shape: MeshShape) -> dict[str, int]:
         "stage_slice": layers // s.virtual if s.virtual > 1 else 0,
         "stash": (s.act_slots + 1) * st.slot_bytes,
         "stream": st.slot_bytes,
-        "stage": st.layers * n * saved_per_token_layer(loc, job.cfg.remat) * a // split,
+        "stage": st.layers * n * saved_per_token_layer(loc, job.policy.remat) * a // split,
         "tables": loc.w_table * 4 if gathered else 0,
         "weights": loc.w_layer * 4 if gathered else 0,
     }
@@ -128,7 +128,7 @@ def memory_terms(job: Job, shape: MeshShape) -> dict[str, int]:
 
 def estimate(job: Job, shape: MeshShape) -> MemoryPie:
     """The memory pie of one device (every rank allocates the same buffers) on a pipelined mesh."""
-    state = state_bytes(job.cfg)
+    state = state_bytes(job.cfg, param_dtype=job.policy.param_dtype)
     params, grads, opt = state.params_bytes(shape), state.grads_bytes(shape), state.optimizer_bytes(shape)
     live = {k: int(COEFFS[k] * v) for k, v in memory_terms(job, shape).items()}
     activations = sum(live[k] for k in ACTIVATION_TERMS)
@@ -277,7 +277,7 @@ def collectives(job: Job, shape: MeshShape) -> list[comms.Collective]:
             "pp: layers to their virtual stages, and their gradients back",
         )
     stream = n * E * a
-    recompute = 1 if job.cfg.remat != "none" else 0
+    recompute = 1 if job.policy.remat != "none" else 0
     clocks_fwd = fwd + bwd * (1 + recompute)  # forward passes of the stage: forward clocks, recomputations
     add("all-reduce", ("tp",), stream, Ls * clocks_fwd, "attn.out", "tp: sum partial outputs", False)
     add("all-reduce", ("tp",), stream, Ls * clocks_fwd, "mlp.down", "tp: sum partial outputs", False)
@@ -356,7 +356,7 @@ def operator_flops(job: Job, shape: MeshShape) -> dict[str, float]:
     fwd, bwd = clock_counts(s)
     loc = in_stage_local(job, shape)
     n = st.tokens / st.split
-    back = 3 + (1 if job.cfg.remat != "none" else 0)
+    back = 3 + (1 if job.policy.remat != "none" else 0)
     out = {name: f / loc.tokens * n * st.layers * (fwd + back * bwd) for name, f in cost.matmul_flops(loc).items()}
     out["lm_head"] = 3 * 2 * n * loc.w_table * bwd
     return out
@@ -380,7 +380,7 @@ def operator_table(
     fwd, bwd = clock_counts(s)
     # Attention's ring loops: once per forward clock; the recomputed forward and the backward (and the
     # stage's remat policy once more) per backward clock.
-    loops = stage_shape(job, shape).layers * (fwd + (2 + (job.cfg.remat != "none")) * bwd)
+    loops = stage_shape(job, shape).layers * (fwd + (2 + (job.policy.remat != "none")) * bwd)
     return cost.rated_operators(rows, job, shape, hw, collectives, ring_loops=loops)
 
 
@@ -401,7 +401,7 @@ def clock_seconds(job: Job, shape: MeshShape, ops: list[cost.Operator], hw: Hard
     totals split over the clocks in proportion to their work."""
     s = schedule_of(job.pipeline, shape.pp)
     fwd, bwd = clock_counts(s)
-    back = 3 + (1 if job.cfg.remat != "none" else 0)
+    back = 3 + (1 if job.policy.remat != "none" else 0)
     layers = sum(op.compute_s for op in ops if op.name not in ("lm_head", "pipeline"))
     head = sum(op.compute_s for op in ops if op.name == "lm_head")
     share = elementwise_bytes(job, shape) / hw.hbm_bandwidth

@@ -24,14 +24,14 @@ ACCUMS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def with_remat(job: Job, policy: str) -> Job:
-    return replace(job, cfg=job.cfg.replace(remat=policy))
+    return replace(job, policy=job.policy.replace(remat=policy))
 
 
 def variants(job: Job, shape: MeshShape):
     """The jobs `auto` tries on this mesh, one list per gradient-accumulation count (the user's
     first, then more when the micro-batch still divides over the data axes; pipelines keep theirs):
     every policy for each."""
-    if job.cfg.remat != "auto":
+    if job.policy.remat != "auto":
         yield [job]
         return
     accums = (

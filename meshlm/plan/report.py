@@ -26,7 +26,7 @@ def train_command(job: Job, plan: Plan, model_flags: list[str], hw: Hardware | N
     parts += [f"--batch_size={job.batch_size}", f"--seq_len={job.seq_len}"]
     if job.grad_accum > 1:
         parts.append(f"--grad_accum={job.grad_accum}")
-    parts += [f"--dtype={job.cfg.dtype}", f"--param_dtype={job.cfg.param_dtype}", f"--remat={job.cfg.remat}"]
+    parts += [f"--dtype={job.policy.dtype}", f"--param_dtype={job.policy.param_dtype}", f"--remat={job.policy.remat}"]
     if hw is not None and hw.peak_source.startswith("--peak_tflops="):
         parts.append(hw.peak_source)
     return " ".join(parts)
@@ -91,7 +91,7 @@ def plan_json(job: Job, plan: Plan, model_flags: list[str], rank: int, hw: Hardw
         "mesh": plan.shape.as_dict(),
         "command": train_command(job, plan, model_flags, hw),
         "fits": plan.fits,
-        "remat": plan.job.cfg.remat,
+        "remat": plan.job.policy.remat,
         "grad_accum": plan.job.grad_accum,
         "axes_inside_fast_domain": {axis: inner for axis, (inner, _) in plan.placement.items()},
         "predicted": {
@@ -139,9 +139,9 @@ def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str],
             "seq_len": job.seq_len,
             "grad_accum": job.grad_accum,
             "devices": job.n_devices,
-            "dtype": c.dtype,
-            "param_dtype": c.param_dtype,
-            "remat": c.remat,
+            "dtype": job.policy.dtype,
+            "param_dtype": job.policy.param_dtype,
+            "remat": job.policy.remat,
             "tokens_per_step": job.tokens,
             "pipeline": {
                 "schedule": job.pipeline.schedule,
@@ -151,7 +151,7 @@ def to_json(job: Job, hw: Hardware, plans: list[Plan], rejected: dict[str, str],
         },
         "hardware": {
             "name": hw.name,
-            "peak_flops_per_second": hw.peak_flops(c.dtype),
+            "peak_flops_per_second": hw.peak_flops(job.policy.dtype),
             "peak_source": hw.peak_source,
             "memory_bytes": hw.hbm_bytes,
             "memory_fraction": hw.memory_fraction,
@@ -194,16 +194,16 @@ def print_report(job: Job, hw: Hardware, plans: list[Plan], model_flags: list[st
 
 def _print_job_line(job: Job, hw: Hardware, model_flags: list[str], console) -> None:
     """The report's first lines: the model, batch, devices and hardware, and the peak MFU is measured against."""
-    c = job.cfg
+    c, run = job.cfg, job.policy
     console.print(
         f"[bold]{' '.join(model_flags)}[/]: {count_params(c.num_params())} parameters; batch {job.batch_size} × "
-        f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s "
-        f"{c.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
-        f"device); remat {c.remat}",
+        f"seq {job.seq_len} on {job.n_devices} × {hw.name} ({hw.peak_flops(run.dtype) / 1e12:.3g} TFLOP/s "
+        f"{run.dtype}, {hw.hbm_bytes / 1e9:.3g} GB{' = ' + hw.memory_note if hw.memory_note else ''}, {_links(hw)} per "
+        f"device); remat {run.remat}",
         highlight=False,
     )
     console.print(
-        f"MFU peak: {hw.peak_flops(c.dtype) / 1e12:.3g} TFLOP/s per device ({hw.peak_source})", highlight=False
+        f"MFU peak: {hw.peak_flops(run.dtype) / 1e12:.3g} TFLOP/s per device ({hw.peak_source})", highlight=False
     )
 
 
@@ -222,7 +222,7 @@ def _mesh_table(job: Job, plans: list[Plan], top: int):
         + ("; temporaries below 0: gradients or activations held in on-chip memory at the peak" if onchip else "")
         + ")"
     )
-    searched = job.cfg.remat == "auto"  # each row's policy (and micro-batches) is the search's
+    searched = job.policy.remat == "auto"  # each row's policy (and micro-batches) is the search's
     columns = [
         "#",
         "mesh_dim",
@@ -263,7 +263,7 @@ def _mesh_row(job: Job, i: int, p: Plan, staged: bool, searched: bool, verified:
             else ["-", "-", "-"]
         )
     if searched:
-        row.append(p.job.cfg.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
+        row.append(p.job.policy.remat + (f" ×{p.job.grad_accum}" if p.job.grad_accum != job.grad_accum else ""))
     row += [
         _gb(m["total"]),
         _pie(m),

@@ -72,7 +72,7 @@ def best_on(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     """The plan for this mesh: with `--remat=auto`, the fastest policy that fits at the fewest
     gradient-accumulation micro-batches that make one fit (`meshlm.plan.remat`); the smallest if none does.
     On simulated CPU devices the policy `meshlm train` takes for `auto` (`fit.auto_policy`)."""
-    if job.cfg.remat != "auto":
+    if job.policy.remat != "auto":
         return evaluate(job, shape, hw)
     budget, compiler = fit.usable_bytes(hw.hbm_bytes), memory.compiler_for(hw.name)
     if hw.name == "cpu":
@@ -99,7 +99,7 @@ def _best_on_cpu(job: Job, shape: MeshShape, hw: Hardware) -> Plan:
     kept = CPU.kept_block_bytes()  # as train sets it
     plan = None
     for trials in remat.variants(job, shape):
-        trial = replace(trials[0], cfg=job.cfg)
+        trial = replace(trials[0], policy=job.policy)
         policy = fit.auto_policy(trial, shape, hw.hbm_bytes, "cpu", kept)
         plan = evaluate(remat.with_remat(trial, policy), shape, hw)
         if plan.fits:
@@ -190,16 +190,16 @@ def _no_valid_mesh(job: Job, rejected: dict[str, str], mesh_dim: MeshShape | Non
 
 def _nothing_fits(job: Job, hw: Hardware, best: Plan, mesh_dim: MeshShape | None, pps: tuple[int, ...] = (1,)) -> str:
     budget, compiler = fit.usable_bytes(hw.hbm_bytes), memory.compiler_for(hw.name)
-    searched = job.cfg.remat == "auto"
+    searched = job.policy.remat == "auto"
     head = (
         f"nothing fits in {_gb(hw.hbm_bytes)} per {hw.name}: the smallest plan ({best.shape.flags}"
-        f"{' --remat=' + best.job.cfg.remat if searched else ''}) needs {_gb(best.memory.total)} per device"
+        f"{' --remat=' + best.job.policy.remat if searched else ''}) needs {_gb(best.memory.total)} per device"
     )
     if searched:  # every policy and more micro-batches were tried: what is left is more devices or pipelines
         job = best.job
     tries = []
-    if job.cfg.remat != "full" and not searched:
-        tries.append(("--remat=full", replace(job, cfg=job.cfg.replace(remat="full")), pps))
+    if job.policy.remat != "full" and not searched:
+        tries.append(("--remat=full", replace(job, policy=job.policy.replace(remat="full")), pps))
     for accum in (2, 4, 8, 16):
         if job.batch_size % accum == 0 and accum > job.grad_accum and pps == (1,):
             tries.append((f"--grad_accum={accum}", replace(job, grad_accum=accum), pps))

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from meshlm import sharding
 from meshlm.mesh import AXES, MeshShape
 from meshlm.models.configs import ModelConfig
+from meshlm.models.policy import RunPolicy
 from meshlm.strategy import DEFAULT
 
 
@@ -58,13 +59,17 @@ class StateBytes:
     """Per-device bytes of the train state of one model and optimizer, for any mesh shape."""
 
     def __init__(
-        self, cfg: ModelConfig, optimizer: optax.GradientTransformation, strategy: sharding.Strategy = DEFAULT
+        self,
+        cfg: ModelConfig,
+        optimizer: optax.GradientTransformation,
+        strategy: sharding.Strategy = DEFAULT,
+        param_dtype: str = "float32",
     ):
         from meshlm.models.placement import place
 
         self.strategy = strategy
         self._memo: dict[tuple[int, MeshShape], int] = {}
-        placement = place(cfg, abstract_mesh(MeshShape()), strategy)
+        placement = place(cfg, abstract_mesh(MeshShape()), strategy, policy=RunPolicy(param_dtype=param_dtype))
         params, treedef = jax.tree.flatten(placement.shapes)
         logical = treedef.flatten_up_to(placement.logical)  # type: ignore[attr-defined]  # not in jax's stubs
         self.params = [Leaf(p.shape, np.dtype(p.dtype).itemsize, tuple(spec)) for p, spec in zip(params, logical)]
@@ -95,16 +100,17 @@ class StateBytes:
 
 
 @lru_cache(maxsize=8)
-def _state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
+def _state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw", param_dtype: str = "float32") -> StateBytes:
     """Cached `StateBytes` for a model with meshlm's optimizer (AdamW, clipping as `meshlm train`)."""
     from meshlm.optimizer import OptimizerConfig, make_optimizer
 
-    return StateBytes(cfg, make_optimizer(OptimizerConfig()))
+    return StateBytes(cfg, make_optimizer(OptimizerConfig()), param_dtype=param_dtype)
 
 
-def state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw") -> StateBytes:
-    """`_state_bytes` for the model's weights: its remat policy and attention kernel change no state."""
-    return _state_bytes(cfg.replace(remat="none", attention="auto"), optimizer_key)
+def state_bytes(cfg: ModelConfig, optimizer_key: str = "adamw", param_dtype: str = "float32") -> StateBytes:
+    """`_state_bytes` for the model's weights stored in `param_dtype` (the run policy's other fields change
+    no state)."""
+    return _state_bytes(cfg, optimizer_key, param_dtype)
 
 
 def real_bytes_per_device(tree) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 from meshlm.data.chat_template import template_in_config
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
+from meshlm.models.policy import DEFAULT_POLICY, RunPolicy
 
 
 @dataclass
@@ -109,11 +110,14 @@ def load_model(
     return LoadedModel(cfg, job.placement, params, tok, model_name, read_chat_template(files)), job
 
 
-def random_model(cfg: ModelConfig, mesh, tokenizer, *, seed: int = 0, name: str = "random") -> LoadedModel:
-    """Random weights of this shape (tests, benchmarks): the same values on every mesh for the same seed."""
+def random_model(
+    cfg: ModelConfig, mesh, tokenizer, *, seed: int = 0, name: str = "random", policy: RunPolicy = DEFAULT_POLICY
+) -> LoadedModel:
+    """Random weights of this shape (tests, benchmarks), run as `policy` says: the same values on every mesh
+    for the same seed."""
     from meshlm.models.placement import place
 
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=policy)
     return LoadedModel(cfg, placement, placement.init(seed), tokenizer, name)
 
 

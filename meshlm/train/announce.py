@@ -12,11 +12,11 @@ from meshlm.train.setup import Run
 
 def model_lines(run: Run) -> list[str]:
     cfg, job = run.cfg, run.job
-    model_cfg, shape = job.model, job.shape
-    remat = model_cfg.remat + (" (auto)" if cfg.remat == "auto" else "")
+    model_cfg, policy, shape = job.model, job.policy, job.shape
+    remat = policy.remat + (" (auto)" if cfg.remat == "auto" else "")
     return [
-        f"model: {cfg.model or job.init_source or 'tiny'} — {describe(model_cfg)}; compute {model_cfg.dtype}, "
-        f"params {model_cfg.param_dtype}, remat {remat}",
+        f"model: {cfg.model or job.init_source or 'tiny'} — {describe(model_cfg)}; compute {policy.dtype}, "
+        f"params {policy.param_dtype}, remat {remat}",
         f"mesh: {shape.flags} ({', '.join(f'{k}={v}' for k, v in shape.as_dict().items())}) on "
         f"{plural(jax.device_count(), jax.devices()[0].platform + ' device')}; batch {cfg.batch_size} × seq "
         f"{cfg.seq_len}, grad_accum {cfg.grad_accum}",

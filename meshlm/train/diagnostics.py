@@ -171,14 +171,14 @@ class DocumentsWatch:
     that kernel (GPU, Hopper or later, length not split over sp). Reads the host batch: the last segment
     id of a row is its number of documents."""
 
-    def __init__(self, model_cfg, seq_len: int, *, ring: bool, platform: str, gpu_capability: float | None):
+    def __init__(self, model_cfg, policy, seq_len: int, *, ring: bool, platform: str, gpu_capability: float | None):
         call = kernels.Call(platform=platform, q_len=seq_len, kv_len=seq_len, head_dim=model_cfg.head_dim,
-                            dtype=model_cfg.dtype, packed=True, causal=True, gpu_capability=gpu_capability)  # fmt: skip
+                            dtype=policy.dtype, packed=True, causal=True, gpu_capability=gpu_capability)  # fmt: skip
         try:
-            chosen = kernels.choose(model_cfg.attention, call)
+            chosen = kernels.choose(policy.attention, call)
         except UsageError:  # a kernel forced for packed rows that cannot serve them: the step says so
             chosen = None
-        self.limit = model_cfg.max_documents if chosen == "cudnn" and not ring else None
+        self.limit = policy.max_documents if chosen == "cudnn" and not ring else None
         self.warned = False
 
     def check(self, batch: dict) -> str | None:

@@ -147,7 +147,7 @@ class Trainer:
         """The hooks around each step, in the order they run, with the metrics logger and the clock."""
         cfg, console, model_cfg, is_main = self.cfg, self.console, run.job.model, self.is_main
         evaluator = Evaluator(run.job.placement, run.eval_batches, perm) if run.eval_batches is not None else None
-        peak, peak_source = M.resolve_peak(cfg.peak_tflops, model_cfg.dtype)
+        peak, peak_source = M.resolve_peak(cfg.peak_tflops, run.job.policy.dtype)
         console.print(f"MFU peak: {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
         self.logger = M.MetricsLogger(
             run.out,
@@ -167,7 +167,8 @@ class Trainer:
             profile_range(cfg.profile_steps) if cfg.profile_steps else None, run.out / "profile", is_main
         )
         documents = DocumentsWatch(
-            model_cfg,
+            run.job.model,
+            run.job.policy,
             cfg.seq_len,
             ring=run.job.shape.sp > 1,
             platform=jax.devices()[0].platform,

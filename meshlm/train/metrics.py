@@ -2,7 +2,7 @@
 a tracker — TensorBoard, wandb or none, meshlm.train.tracking — and PNG). The FLOPs of a step and the peak table live in meshlm.flops.
 
     flops_per_token = model_flops_per_token(cfg, seq_len)
-    peak, source = resolve_peak(args.peak_tflops, cfg.dtype)
+    peak, source = resolve_peak(args.peak_tflops, policy.dtype)
     logger = MetricsLogger(out, flops_per_token=flops_per_token, peak_flops_per_device=peak,
                            n_devices=jax.device_count(), total_steps=n, log_every=10,
                            enabled=jax.process_index() == 0, title="tiny on dp=2,fsdp=4")

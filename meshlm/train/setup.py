@@ -117,6 +117,7 @@ def set_up(cfg, job, trainable: Trainable, is_main: bool) -> Run:
     }
     meta = {
         "model": dataclasses.asdict(job.model),
+        "policy": dataclasses.asdict(job.policy),
         "mesh_dim": str(job.shape),
         "mesh": job.shape.flags,
         "seed": cfg.seed,

@@ -21,7 +21,7 @@ from meshlm.models.placement import Placement
 def model_loss_sums(placement: Placement, params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses, number of counted tokens) for one (micro-)batch. The model runs as
     `Placement.apply` runs it, but the head and the loss run as one (`Decoder.head_loss`): the logits are
-    computed `cfg.loss_chunk` positions at a time and never held for the whole batch."""
+    computed `policy.loss_chunk` positions at a time and never held for the whole batch."""
     x = placement.stream(params, batch["inputs"], batch["positions"], batch["segment_ids"])
     with sharding.activate(placement.mesh, placement.strategy):
         return placement.structure.head_loss(x, batch["targets"], batch["loss_mask"], params)

@@ -115,7 +115,8 @@ class Steps:
         small = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
         def zeros():
-            return jax.jit(lambda: jnp.zeros((B, S, heads, cfg.head_dim), jnp.dtype(cfg.dtype)), out_shardings=cache)()
+            dtype = jnp.dtype(self.placement.policy.dtype)  # the cache holds keys and values in the compute dtype
+            return jax.jit(lambda: jnp.zeros((B, S, heads, cfg.head_dim), dtype), out_shardings=cache)()
 
         host = (np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32), SlotSampling.empty(B))
         tokens, positions, counts, sampling = jax.device_put(host, small)
