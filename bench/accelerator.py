@@ -39,6 +39,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from meshlm.models.policy import RunPolicy
 from meshlm.platform import configure_runtime  # noqa: E402  (imports no JAX)
 
 configure_runtime()  # as `meshlm train` runs: the backend's XLA flag preset, the compilation cache
@@ -64,7 +65,7 @@ _ATTEND = llama.attend
 
 def use_kernel(name: str) -> None:
     """Run the model's attention with kernel `name`. (Also bound here, not only in the config, so the
-    choice holds whether or not `Attention` passes `cfg.attention` on to `attend`.)"""
+    choice holds whether or not `Attention` passes `policy.attention` on to `attend`.)"""
     llama.attend = functools.partial(_ATTEND, kernel=name)
 
 
@@ -99,11 +100,11 @@ def make_step(placement, optimizer):
     return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
 
 
-def run(cfg, kernel: str, args, profile_dir: str | None = None) -> dict:
+def run(cfg, policy, kernel: str, args, profile_dir: str | None = None) -> dict:
     """Time --steps train steps with attention `kernel`; optionally trace two more into profile_dir."""
     use_kernel(kernel)
     mesh = build_mesh(parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
-    placement = place(cfg.replace(attention=kernel), mesh)
+    placement = place(cfg, mesh, policy=policy.replace(attention=kernel))
     optimizer = make_optimizer(OptimizerConfig(total_steps=args.warmup + args.steps + 2))
     step = make_step(placement, optimizer)
     state = create_train_state(placement, optimizer, seed=0)
@@ -188,11 +189,10 @@ def main(argv=None) -> int:
         print("--warmup and --steps must be >= 1 (the first warm-up step compiles)", file=sys.stderr)
         return 2
     overrides = SMALL if args.small else {"n_layers": args.layers}
-    cfg = resolve_model("llama3-8b", overrides).replace(
-        dtype="bfloat16", remat=args.remat, max_seq_len=args.seq, scan_unroll=args.scan_unroll
-    )
+    cfg = resolve_model("llama3-8b", overrides).replace(max_seq_len=args.seq)
+    policy = RunPolicy(dtype="bfloat16", remat=args.remat, scan_unroll=args.scan_unroll)
     if args.loss_chunk is not None:
-        cfg = cfg.replace(loss_chunk=args.loss_chunk)
+        policy = policy.replace(loss_chunk=args.loss_chunk)
     device = jax.devices()[0]
     call = kernels.Call(platform=device.platform, q_len=args.seq, kv_len=args.seq, head_dim=cfg.head_dim,
                         dtype="bfloat16", packed=args.packed, causal=True,
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         f"{device.device_kind}: llama3-8b-shaped, {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"{cfg.n_heads}/{cfg.n_kv_heads} heads x {cfg.head_dim}, mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}; "
         f"{args.batch} x {args.seq} tokens{' (packed)' if args.packed else ''}, bf16, remat={args.remat}, "
-        f"loss_chunk={cfg.loss_chunk}, scan_unroll={cfg.scan_unroll}"
+        f"loss_chunk={policy.loss_chunk}, scan_unroll={policy.scan_unroll}"
     )
     print(f"peak {peak / 1e12:.1f} TFLOP/s ({source}); model {flops_per_token * tokens / 1e12:.2f} TFLOP/step")
     results = {}
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         for role, name in zip(("baseline", "kernel"), chosen):
             if name is None:
                 continue
-            r = run(cfg, name, args, profile_dir if role == "kernel" else None)
+            r = run(cfg, policy, name, args, profile_dir if role == "kernel" else None)
             r["tokens_per_s"] = tokens / r["step_s"]
             r["mfu"] = flops_per_token * r["tokens_per_s"] / peak
             results[role] = r

@@ -85,13 +85,14 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
 def build_engine(hf_dir: Path, args):
     from meshlm.checkpoint.hf_folder import HFSource
     from meshlm.models.placement import place
+    from meshlm.models.policy import RunPolicy
     from meshlm.serve.engine.batching import Engine
     from meshlm.serve.loading import LoadedModel
 
     mesh = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
     with HFSource(hf_dir) as source:
-        cfg = source.cfg.replace(dtype=args.dtype, param_dtype="float32", remat="none")
-        placement = place(cfg, mesh)
+        cfg = source.cfg
+        placement = place(cfg, mesh, policy=RunPolicy(dtype=args.dtype, param_dtype="float32", remat="none"))
         params = source.load(placement)
     model = LoadedModel(cfg, placement, params, IdsTokenizer(cfg.vocab_size), args.preset)
     buckets = tuple(sorted({_bucket(args.prompt_len), _bucket(args.ttft_prompt)}))
@@ -222,10 +223,9 @@ def main(argv=None) -> int:
     from meshlm.checkpoint.hf_folder import write_hf
     from meshlm.checkpoint.source import ArraySource
     from meshlm.models.placement import place
+    from meshlm.models.policy import RunPolicy
 
     cfg = resolve_model(args.preset).replace(
-        dtype="float32",
-        param_dtype="float32",
         max_seq_len=max(resolve_model(args.preset).max_seq_len, args.max_seq_len),
     )
     print(f"preset {args.preset}: {describe(cfg)}")
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="meshlm-bench-") as tmp:
         hf_dir = Path(tmp) / "hf"
         mesh = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
-        params = jax.device_get(place(cfg, mesh).init(seed=0))
+        params = jax.device_get(place(cfg, mesh, policy=RunPolicy(dtype="float32")).init(seed=0))
         write_hf(ArraySource(params, cfg), hf_dir, "float32")
         del params
         hf_model = load_hf(hf_dir)

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
+from meshlm.models.policy import RunPolicy  # noqa: E402
 from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.ops.pipeline import build_schedule  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
@@ -62,7 +63,7 @@ def batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict:
 
 def step_time(cfg, mesh_dim: str, pp: int, schedule, rows: int, seq: int, steps: int) -> float:
     mesh = build_mesh(parse_mesh_dim(mesh_dim, 4, pp=pp))
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=RunPolicy(dtype="float32"))
     optimizer = make_optimizer(OptimizerConfig(lr=1e-3))
     state = create_train_state(placement, optimizer, 0)
     step = make_train_step(placement, optimizer, pipeline=schedule)
@@ -86,9 +87,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--virtual", type=int, default=2)
     args = ap.parse_args()
-    cfg = resolve_model("test", {"n_layers": str(args.layers), "d_model": "128", "mlp_dim": "256"}).replace(
-        dtype="float32"
-    )
+    cfg = resolve_model("test", {"n_layers": str(args.layers), "d_model": "128", "mlp_dim": "256"})
     print(
         f"model: test preset, {args.layers} layers, d_model 128; pp={PP} on 4 simulated CPU devices; "
         f"{args.rows} rows × {args.seq} tokens per microbatch; fastest of {args.steps} steps"

@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from meshlm.explain.verify import compile_step, error_percent, measure  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
+from meshlm.models.policy import RunPolicy  # noqa: E402
 from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer  # noqa: E402
 from meshlm.plan import comms, memory, search  # noqa: E402
@@ -101,8 +102,8 @@ def synthetic_batch(cfg, rows: int, seq: int) -> dict:
 
 
 def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = None) -> None:
-    cfg = resolve_model(model, {}).replace(dtype="float32")
-    job = Job(cfg, batch, seq, 8)
+    cfg, policy = resolve_model(model, {}), RunPolicy(dtype="float32")
+    job = Job(cfg, batch, seq, 8, policy=policy)
     hw = resolve_hardware("cpu", 8, "float32")
     plans, _ = search.search(job, hw)
     print(
@@ -118,7 +119,7 @@ def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = No
     host = synthetic_batch(cfg, batch, seq)
     runs = []
     for plan in plans:
-        placement = place(cfg, build_mesh(plan.shape, jax.devices()[:8]))
+        placement = place(cfg, build_mesh(plan.shape, jax.devices()[:8]), policy=policy)
         state = create_train_state(placement, optimizer, seed=0)
         step = make_train_step(placement, optimizer, lr_schedule(OptimizerConfig()))
         data = put_batch(placement, host, sequence_permutation(placement, seq))
@@ -170,7 +171,7 @@ def ranking(model: str, batch: int, seq: int, rounds: int, save: str | None = No
         rows = [
             dict(
                 mesh_dim=r["plan"].mesh_dim,
-                remat=r["plan"].job.cfg.remat,
+                remat=r["plan"].job.policy.remat,
                 predicted_s=r["plan"].time.step_s,
                 compute_s=r["plan"].time.compute_s,
                 comm_s=r["plan"].time.comm_s,

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshlm import hlo  # noqa: E402
 from meshlm.mesh import MeshShape, parse_mesh_dim  # noqa: E402
+from meshlm.models.policy import RunPolicy  # noqa: E402
 from meshlm.models.presets import resolve_model  # noqa: E402
 from meshlm.plan import comms, memory  # noqa: E402
 from meshlm.plan.job import Job  # noqa: E402
@@ -57,8 +58,8 @@ FIT_SET = [
 
 
 def job_for(model: str, batch: int, seq: int, remat: str = "full") -> Job:
-    cfg = resolve_model(model, {}).replace(dtype="bfloat16", param_dtype="float32", remat=remat)
-    return Job(cfg, batch, seq, DEVICES)
+    policy = RunPolicy(dtype="bfloat16", param_dtype="float32", remat=remat)
+    return Job(resolve_model(model, {}), batch, seq, DEVICES, policy=policy)
 
 
 def compiled_figures(job: Job, mesh_dim: str, hardware: str, cache: Path | None, fresh: bool) -> dict:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 
+from meshlm.models.policy import RunPolicy
 from meshlm.platform import simulated_device_flags  # imports no JAX
 
 os.environ["XLA_FLAGS"] = simulated_device_flags(os.environ.get("XLA_FLAGS", ""), 8)
@@ -76,11 +77,11 @@ def synthetic_batch(vocab: int, seed: int = 0) -> dict:
     }
 
 
-def prepare(cfg, mesh_dim: str, n_devices: int, total_steps: int) -> dict:
+def prepare(cfg, policy, mesh_dim: str, n_devices: int, total_steps: int) -> dict:
     """Build, compile and run the first step on `mesh_dim` over the first `n_devices` devices."""
     shape = parse_mesh_dim(mesh_dim, n_devices)
     mesh = build_mesh(shape, jax.devices()[:n_devices])
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=policy)
     opt_cfg = OptimizerConfig(total_steps=total_steps)
     optimizer = make_optimizer(opt_cfg)
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg))
@@ -176,12 +177,12 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
-    cfg = resolve_model("tiny").replace(dtype=args.dtype, remat=args.remat)
+    cfg, policy = resolve_model("tiny"), RunPolicy(dtype=args.dtype, remat=args.remat)
     flops_per_step = model_flops_per_token(cfg, SEQ_LEN) * GLOBAL_BATCH * SEQ_LEN
     tokens = GLOBAL_BATCH * SEQ_LEN
 
     total = args.warmup + args.steps
-    prepared = [prepare(cfg, "1,1,1,1", 1, total), prepare(cfg, args.mesh_dim, 8, total)]
+    prepared = [prepare(cfg, policy, "1,1,1,1", 1, total), prepare(cfg, policy, args.mesh_dim, 8, total)]
     for _ in range(args.warmup - 1):
         for r in prepared:
             r["step"]()

@@ -85,7 +85,7 @@ def test_resolve_builds_what_train_needs():
     assert (job.shape.dp, job.shape.fsdp, job.shape.tp, job.shape.sp) == (2, 2, 2, 1)
     from meshlm.platform import resolve_dtype
 
-    assert job.model.dtype == resolve_dtype("auto", "cpu") and job.pipeline is None and job.strategy.name == "default"
+    assert job.policy.dtype == resolve_dtype("auto", "cpu") and job.pipeline is None and job.strategy.name == "default"
     assert dict(job.mesh.shape) == {"dp": 2, "fsdp": 2, "tp": 2, "sp": 1}
     assert job.placement.cfg == job.model
 
@@ -171,7 +171,7 @@ def test_auto_remat_by_default_or_on_the_planned_strategy_is_chosen():
         TrainConfig(model="test", strategy="fsdp", batch_size=8, seq_len=32),  # left at its default
         TrainConfig(model="test", remat="auto", batch_size=8, seq_len=32),
     ):
-        assert resolve(cfg, build=False, output=False).model.remat != "auto"
+        assert resolve(cfg, build=False, output=False).policy.remat != "auto"
     with pytest.raises(UsageError, match="--remat=auto with --zero_stage=1"):
         resolve(TrainConfig(model="test", remat="auto", zero_stage=1, batch_size=8, seq_len=32), build=False)
 
@@ -180,15 +180,17 @@ def test_forced_kernel_is_checked_against_local_layers_and_soft_cap(monkeypatch)
     """A kernel forced by --attention must serve every kind of layer: Triton has no sliding window, cuDNN no
     logit soft cap; each is one line before anything compiles."""
     from meshlm.job import check_kernel
+    from meshlm.models.policy import RunPolicy
     from meshlm.models.presets import resolve_model
     from meshlm.ops import kernels
 
     monkeypatch.setattr(kernels, "default_platform", lambda: "gpu")
     monkeypatch.setattr(kernels, "gpu_capability", lambda: 9.0)
-    local = resolve_model("test", {"sliding_window": "16", "layer_pattern": "LG", "dtype": "bfloat16"})
-    check_kernel(local.replace(attention="cudnn"), 64)  # cuDNN has a window
+    local = resolve_model("test", {"sliding_window": "16", "layer_pattern": "LG"})
+    cudnn, triton = RunPolicy(dtype="bfloat16", attention="cudnn"), RunPolicy(dtype="bfloat16", attention="triton")
+    check_kernel(local, cudnn, 64)  # cuDNN has a window
     with pytest.raises(UsageError, match="sliding-window"):
-        check_kernel(local.replace(attention="triton"), 64)
+        check_kernel(local, triton, 64)
     with pytest.raises(UsageError, match="soft-cap"):
-        check_kernel(local.replace(attention="cudnn", attn_logit_softcap=50.0), 64)
-    check_kernel(local.replace(attention="triton", sliding_window=0, layer_pattern=""), 64)  # all global
+        check_kernel(local.replace(attn_logit_softcap=50.0), cudnn, 64)
+    check_kernel(local.replace(sliding_window=0, layer_pattern=""), triton, 64)  # all global

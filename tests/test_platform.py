@@ -243,7 +243,7 @@ def test_serving_keeps_float16():
     from meshlm.models.presets import resolve_model
 
     job = resolve_serving(resolve_model("test"), mesh_dim="1,1,-1,1", dtype="float16", build=False)
-    assert job.model.dtype == job.model.param_dtype == "float16"
+    assert job.policy.dtype == job.policy.param_dtype == "float16"
 
 
 def test_simulated_device_flags_replace_the_count_and_keep_the_rest():

@@ -19,6 +19,7 @@ from meshlm.checkpoint.weights import load_params, parse_init_from, read_model_c
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.train.state import TrainState, state_shardings
 from meshlm.train.step import make_train_step, put_batch
 from tests.support.hf import (
@@ -42,8 +43,8 @@ CFG = ModelConfig(
     max_seq_len=128,
     rope_theta=30000.0,
     init_std=0.15,
-    dtype="bfloat16",
 )
+POLICY = RunPolicy(dtype="bfloat16")  # the run's: what the export writes by default
 STEP = 7
 
 
@@ -55,7 +56,7 @@ def host(tree):
 def run(tmp_path_factory):
     """A training run's output_dir as meshlm train leaves it: config.json, tokenizer/, checkpoints/7."""
     out = tmp_path_factory.mktemp("run")
-    placement = place(CFG, mesh_of("2,2,2,1"))
+    placement = place(CFG, mesh_of("2,2,2,1"), policy=POLICY)
     rng = np.random.default_rng(0)  # random values placed directly: no compile for the fixture
     params = jax.tree.map(
         lambda s, sh: jax.device_put(rng.normal(0, 0.15, s.shape).astype(s.dtype), sh),
@@ -65,7 +66,8 @@ def run(tmp_path_factory):
     optimizer = optax.adamw(1e-3)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     ckpt = Checkpointer(out / "checkpoints", async_save=False)
-    ckpt.save(STEP, state, {"position": 0}, {"model": dataclasses.asdict(CFG), "mesh_dim": "2,2,2,1"})
+    meta = {"model": dataclasses.asdict(CFG), "policy": dataclasses.asdict(POLICY), "mesh_dim": "2,2,2,1"}
+    ckpt.save(STEP, state, {"position": 0}, meta)
     ckpt.close()
     (out / "config.json").write_text(json.dumps({"model": dataclasses.asdict(CFG)}))  # not a Hugging Face config
     write_tokenizer(out / "tokenizer")
@@ -80,7 +82,7 @@ def test_checkpoint_spellings(run, tmp_path):
         find_checkpoint(out, step=3)
     with pytest.raises(UsageError, match="holds no training checkpoint"):
         find_checkpoint(tmp_path)
-    assert read_model_config(out) == CFG  # the full config, dtype included, from the checkpoint's meta
+    assert read_model_config(out) == CFG  # the full config, from the checkpoint's meta
 
 
 def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
@@ -101,7 +103,7 @@ def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
                 want = want[k]
             np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16))
     # Serving loads it onto another mesh, cast back to the param dtype.
-    placement = place(CFG, mesh_of("1,4,2,1"))
+    placement = place(CFG, mesh_of("1,4,2,1"), policy=POLICY)
     loaded = load_params(p, placement)
     assert loaded["embed"].sharding == placement.shardings["embed"]
     for a, b in zip(jax.tree.leaves(host(loaded)), jax.tree.leaves(params)):
@@ -115,7 +117,7 @@ def test_export_writes_params_only_in_the_compute_dtype(run, tmp_path):
 
 def test_load_params_from_a_training_checkpoint_onto_another_mesh(run):
     out, params = run
-    placement = place(CFG, mesh_of("8,1,1,1"))
+    placement = place(CFG, mesh_of("8,1,1,1"), policy=POLICY)
     loaded = load_params(out, placement)
     assert jax.tree.map(lambda a: a.sharding, loaded) == placement.shardings
     for a, b in zip(jax.tree.leaves(host(loaded)), jax.tree.leaves(params)):
@@ -126,9 +128,9 @@ def test_training_checkpoint_to_transformers(run, tmp_path):
     out, params = run
     hf_dir = convert_to_hf(out, tmp_path / "hf", dtype="float32")
     assert (hf_dir / "tokenizer.json").is_file()
-    cfg = CFG.replace(dtype="float32")
+    cfg = CFG
     tokens = tokens_for(cfg.vocab_size)
-    placement = place(cfg, mesh_of("1,1,1,1"))
+    placement = place(cfg, mesh_of("1,1,1,1"), policy=RunPolicy(dtype="float32"))
     want = meshlm_logits(placement, jax.device_put(params, placement.shardings), tokens)
     np.testing.assert_allclose(hf_folder_logits(hf_dir, tokens), want, atol=1e-4, rtol=0)
 
@@ -139,8 +141,8 @@ def test_fine_tune_from_hugging_face_weights(tmp_path):
     model = torch_llama(small_hf_config(rope_parameters={"rope_type": "default", "rope_theta": 25000.0}), seed=1)
     model.save_pretrained(tmp_path / "hf")
     path = parse_init_from(f"hf:{tmp_path / 'hf'}")
-    cfg = read_model_config(path).replace(dtype="float32")
-    placement = place(cfg, mesh_of("2,2,2,1"))
+    cfg = read_model_config(path)
+    placement = place(cfg, mesh_of("2,2,2,1"), policy=RunPolicy(dtype="float32"))
     optimizer = optax.adam(1e-2)
     params = load_params(path, placement)
     state = jax.jit(

@@ -18,6 +18,7 @@ from meshlm.checkpoint.weights import load_params, parse_init_from, read_model_c
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig, RopeScaling
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from tests.support.hf import (
     hf_folder_logits,
     hf_tensor_shapes,
@@ -136,10 +137,10 @@ def test_logits_match_transformers(case, tmp_path):
     out = convert_from_hf(tmp_path / "hf", tmp_path / "p")
     assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}"
 
-    cfg = read_model_config(out).replace(dtype="float32")
+    cfg, f32 = read_model_config(out), RunPolicy(dtype="float32")
     assert cfg.rope_theta == kw.get("rope_parameters", {}).get("rope_theta", 10000.0)
     assert (cfg.rope_scaling is not None) == (case == "gqa_theta_llama3")
-    placement = place(cfg, mesh_of(mesh))
+    placement = place(cfg, mesh_of(mesh), policy=f32)
     params = load_params(out, placement)
     assert_trees_equal(params, load_params(f"hf:{tmp_path / 'hf'}", placement))  # direct load: same arrays
 
@@ -148,7 +149,7 @@ def test_logits_match_transformers(case, tmp_path):
     assert want.std() > 0.3  # large enough that a layout mistake could not hide under atol
     np.testing.assert_allclose(meshlm_logits(placement, params, tokens), want, atol=1e-4, rtol=0)
     if case == "gqa_theta_llama3":  # the scaling matters at this size: dropping it breaks the match
-        plain = place(cfg.replace(rope_scaling=None), placement.mesh)
+        plain = place(cfg.replace(rope_scaling=None), placement.mesh, policy=f32)
         assert np.abs(meshlm_logits(plain, params, tokens) - want).max() > 1e-3
 
 
@@ -166,9 +167,8 @@ def test_round_trip_meshlm_to_transformers(tmp_path):
         rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
         norm_eps=1e-6,
         init_std=0.15,
-        dtype="float32",
     )
-    placement = place(cfg, mesh_of("1,2,4,1"))
+    placement = place(cfg, mesh_of("1,2,4,1"), policy=RunPolicy(dtype="float32"))
     params = placement.init(seed=3)
     tok_dir = write_tokenizer(tmp_path / "tok")
     p = save_params(params, cfg, tmp_path / "p", tokenizer_dir=tok_dir)
@@ -183,7 +183,7 @@ def test_round_trip_meshlm_to_transformers(tmp_path):
     want = meshlm_logits(placement, params, tokens)
     np.testing.assert_allclose(hf_folder_logits(hf_dir, tokens), want, atol=1e-4, rtol=0)
     back = convert_from_hf(hf_dir, tmp_path / "back")
-    assert read_model_config(back) == cfg.replace(dtype="bfloat16")  # dtype is a run setting, not stored
+    assert read_model_config(back) == cfg
     assert_trees_equal(load_params(back, placement), params)
     assert (back / "tokenizer" / "tokenizer.json").is_file()
 

@@ -13,8 +13,11 @@ from meshlm.checkpoint.params_folder import PARAMS_FILE
 from meshlm.checkpoint.weights import load_params
 from meshlm.models.hf_config import from_hf_config, read_hf_config, to_hf_config
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from tests.support.hf import mesh_of, meshlm_logits, torch_logits
 from tests.support.hf_families import FAMILY_NAMES, tokens_longer_than_the_window, torch_family
+
+F32 = RunPolicy(dtype="float32")
 
 # What each case's config.json must turn on (tests/support/hf_families.py builds the cases).
 EXPECTED = {
@@ -100,8 +103,8 @@ def built_shapes(placement) -> dict[str, tuple[int, ...]]:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_logits_match_transformers(family, models):
     model, folder = models(family)
-    cfg = read_hf_config(folder / "config.json").replace(dtype="float32")
-    placement = place(cfg, mesh_of("1,1,1,1"))
+    cfg = read_hf_config(folder / "config.json")
+    placement = place(cfg, mesh_of("1,1,1,1"), policy=F32)
     assert built_shapes(placement) == {leaf.name: leaf.full_shape for leaf in leaves(cfg)}
     params = load_params(f"hf:{folder}", placement)
     tokens = tokens_longer_than_the_window(cfg.vocab_size)
@@ -118,8 +121,8 @@ def test_logits_match_transformers_on_a_mixed_mesh_with_ring_attention(family, m
     """Sequence parallelism over local and global layers (RingAttention with the window, soft caps and
     the family's scale), data and tensor parallelism beside it: transformers' logits still."""
     model, folder = models(family)
-    cfg = read_hf_config(folder / "config.json").replace(dtype="float32")
-    placement = place(cfg, mesh_of(mesh_dim))
+    cfg = read_hf_config(folder / "config.json")
+    placement = place(cfg, mesh_of(mesh_dim), policy=F32)
     assert placement.mesh.shape["sp"] > 1
     tokens = tokens_longer_than_the_window(cfg.vocab_size)
     got = meshlm_logits(placement, load_params(f"hf:{folder}", placement), tokens)

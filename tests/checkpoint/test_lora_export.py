@@ -17,10 +17,13 @@ from meshlm.checkpoint.weights import load_params, read_model_config
 from meshlm.cli import main
 from meshlm.models.lora import DEFAULT_TARGETS, LoraSpec, place_lora
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.train.state import TrainState, checkpointed
 from meshlm.train.trainable import LoraTraining
 from tests.support.hf import hf_folder_logits, mesh_of, meshlm_logits, small_hf_config, tokens_for, torch_llama
 from tests.support.hf_families import torch_family
+
+F32 = RunPolicy(dtype="float32")
 
 SPEC = LoraSpec(rank=4, alpha=8.0, targets=DEFAULT_TARGETS + "|^lm_head$")
 HF = small_hf_config()
@@ -30,8 +33,8 @@ def lora_run(root, model):
     """A Hugging Face base folder saved from `model`, and a LoRA run's checkpoint on it with random (non-zero)
     A and B; with the meshlm logits of the merged and of the base model."""
     model.save_pretrained(root / "base")
-    cfg = read_model_config(root / "base").replace(dtype="float32")
-    placement = place(cfg, mesh_of("1,2,2,1"))
+    cfg = read_model_config(root / "base")
+    placement = place(cfg, mesh_of("1,2,2,1"), policy=F32)
     lora = place_lora(placement, SPEC)
     rng = np.random.default_rng(1)
     adapters = jax.tree.map(
@@ -193,7 +196,7 @@ def test_lora_checkpoint_is_a_weight_source_merged_alike_on_host_and_mesh(run):
 
     assert lora_meta(run["root"] / "run")["lora"]["rank"] == 4
     assert lora_meta(run["root"] / "base") is None
-    placement = place(run["cfg"], mesh_of("1,2,2,1"))
+    placement = place(run["cfg"], mesh_of("1,2,2,1"), policy=F32)
     with LoraCheckpoint(run["root"] / "run") as source:
         assert isinstance(source, Source)
         on_mesh = jax.device_get(source.load(placement))

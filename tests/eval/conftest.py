@@ -17,12 +17,13 @@ def save_checkpoint(root: Path, preset: str, seed: int = 0) -> Path:
     from meshlm.checkpoint.convert import save_params
     from meshlm.data.tokenizer import train_tokenizer
     from meshlm.models.placement import place
+    from meshlm.models.policy import RunPolicy
     from meshlm.models.presets import resolve_model
 
-    cfg = resolve_model(preset).replace(dtype="float32", param_dtype="float32")
+    cfg = resolve_model(preset)
     one = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
     train_tokenizer("stdlib", 512, train_chars=400_000).save(root / "tokenizer")
-    params = jax.device_get(place(cfg, one).init(seed=seed))
+    params = jax.device_get(place(cfg, one, policy=RunPolicy(dtype="float32", param_dtype="float32")).init(seed=seed))
     return save_params(params, cfg, root / preset, tokenizer_dir=root / "tokenizer")
 
 

@@ -17,6 +17,9 @@ pytest.importorskip("lm_eval", reason="lm-evaluation-harness is in the test extr
 
 from meshlm.cli import main  # noqa: E402
 from meshlm.eval.harness import read_samples  # noqa: E402
+from meshlm.models.policy import RunPolicy
+
+F32 = RunPolicy(dtype="float32", param_dtype="float32")
 
 CONTEXT = 128  # in-process: sequences of at most 128 tokens, so windows of 127 predicted tokens
 ATOL = 1e-4
@@ -144,8 +147,8 @@ def reference(checkpoint):
     from meshlm.models.placement import place
     from tests.support.hf import mesh_of
 
-    cfg = read_model_config(str(checkpoint)).replace(dtype="float32", param_dtype="float32")
-    placement = place(cfg, mesh_of("1,1,1,1"))
+    cfg = read_model_config(str(checkpoint))
+    placement = place(cfg, mesh_of("1,1,1,1"), policy=F32)
     params = load_params(str(checkpoint), placement)
     forward = jax.jit(lambda p, t: jax.nn.log_softmax(placement.apply(p, t).astype(jnp.float32), axis=-1))
     tokenizer = Tokenizer.from_file(checkpoint / "tokenizer")  # where `meshlm export` puts it

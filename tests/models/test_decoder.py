@@ -12,12 +12,14 @@ from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, build_mesh
 from meshlm.models.decoder import REMAT_POLICIES
-from meshlm.models.rope import apply_rope, rope_frequencies
 from meshlm.models.hf_config import from_hf_config, to_hf_config
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import PRESETS, resolve_model
+from meshlm.models.rope import apply_rope, rope_frequencies
 
-CFG = resolve_model("test", {"n_kv_heads": "2", "n_layers": "2"}).replace(dtype="float32")
+CFG = resolve_model("test", {"n_kv_heads": "2", "n_layers": "2"})
+F32 = RunPolicy(dtype="float32")
 MESH = None
 
 
@@ -28,8 +30,8 @@ def one_device():
     return MESH
 
 
-def logits_fn(cfg):
-    placement = place(cfg, one_device())
+def logits_fn(cfg, policy=F32):
+    placement = place(cfg, one_device(), policy=policy)
     params = placement.init(seed=0)
     return placement, params, jax.jit(lambda p, t, pos=None, seg=None: placement.apply(p, t, pos, seg))
 
@@ -46,7 +48,7 @@ def tokens(shape=(2, 16), seed=0):
 def test_parameter_count_matches_the_formula(model):
     placement, params, _ = model
     assert sum(x.size for x in jax.tree.leaves(params)) == CFG.num_params()
-    tied = place(CFG.replace(tie_embeddings=True), one_device())
+    tied = place(CFG.replace(tie_embeddings=True), one_device(), policy=F32)
     assert sum(np.prod(s.shape) for s in jax.tree.leaves(tied.shapes)) == CFG.replace(tie_embeddings=True).num_params()
     assert "lm_head" not in tied.shapes
 
@@ -80,7 +82,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(model):
     """GQA with K kv heads is MHA whose k/v weights repeat each kv head H/K times."""
     _, params, f = model
     mha_cfg = CFG.replace(n_kv_heads=CFG.n_heads)
-    mha_placement = place(mha_cfg, one_device())
+    mha_placement = place(mha_cfg, one_device(), policy=F32)
     rep = CFG.n_heads // CFG.n_kv_heads
     mha_params = jax.tree.map(lambda x: x, params)
     for name in ("wk", "wv"):
@@ -116,8 +118,8 @@ def test_llama3_rope_scaling_bands():
     assert mid.any() and np.all(scaled[mid] < base[mid]) and np.all(scaled[mid] > base[mid] / s.factor)
 
 
-def remat_loss_and_grads(params, cfg):
-    pl = place(cfg, one_device())
+def remat_loss_and_grads(params, cfg, policy=F32):
+    pl = place(cfg, one_device(), policy=policy)
     t = tokens()
     return jax.jit(jax.value_and_grad(lambda p: jnp.mean(pl.apply(p, t) ** 2)))(params)
 
@@ -130,14 +132,14 @@ def without_remat(model):
 
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_remat_policies_change_memory_not_math(model, without_remat, policy):
-    (l0, g0), (l1, g1) = without_remat, remat_loss_and_grads(model[1], CFG.replace(remat=policy))
+    (l0, g0), (l1, g1) = without_remat, remat_loss_and_grads(model[1], CFG, F32.replace(remat=policy))
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits(model):
     placement, params, _ = model
-    pl = place(CFG.replace(dtype="bfloat16"), one_device())
+    pl = place(CFG, one_device(), policy=F32.replace(dtype="bfloat16"))
     out = jax.jit(pl.apply)(params, tokens())
     assert out.dtype == jnp.float32
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
@@ -163,7 +165,7 @@ def test_hf_config_round_trip(tmp_path):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(to_hf_config(cfg)))
         back = resolve_model(str(path))
-        assert back == cfg.replace(dtype=back.dtype, param_dtype=back.param_dtype, remat=back.remat)
+        assert back == cfg
     with pytest.raises(UsageError, match="lacks the field"):
         from_hf_config({"model_type": "llama"})
     (tmp_path / "bad.json").write_text("{nope")

@@ -10,11 +10,11 @@ from meshlm.models.lora import LoraSpec, merged_weight, place_lora
 from meshlm.models.placement import place
 from meshlm.strategy import PRESETS
 from meshlm.strategy.rules import flatten
-from tests.support.training import CFG, mesh_for
+from tests.support.training import CFG, POLICY, mesh_for
 
 
 def test_adapters_take_their_weights_layout_and_keep_the_rank_whole():
-    placement = place(CFG, mesh_for("1,2,2,2"))
+    placement = place(CFG, mesh_for("1,2,2,2"), policy=POLICY)
     lora = place_lora(placement, LoraSpec(rank=4))
     attn = lora.specs["layers"]["attn"]
     assert attn["wq"] == {"a": P(None, ("fsdp", "sp"), None), "b": P(None, None, "tp", None)}
@@ -46,8 +46,8 @@ def test_merge_is_the_low_rank_update_of_the_flattened_projection(w_shape, in_ax
 
 
 def test_init_is_the_base_model_and_the_same_on_every_mesh():
-    one = place_lora(place(CFG, mesh_for("1,1,1,1")), LoraSpec(rank=4)).init(0)
-    eight = place_lora(place(CFG, mesh_for("1,2,2,2")), LoraSpec(rank=4)).init(0)
+    one = place_lora(place(CFG, mesh_for("1,1,1,1"), policy=POLICY), LoraSpec(rank=4)).init(0)
+    eight = place_lora(place(CFG, mesh_for("1,2,2,2"), policy=POLICY), LoraSpec(rank=4)).init(0)
     for (path, x), y in zip(flatten(jax.device_get(one)).items(), flatten(jax.device_get(eight)).values()):
         np.testing.assert_array_equal(x, y, err_msg=path)
         assert (np.abs(x).max() > 0) == path.endswith("/a"), path  # A random, B zero

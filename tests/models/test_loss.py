@@ -12,6 +12,7 @@ from meshlm.errors import UsageError
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.loss import head_loss_sums, num_chunks, project, token_loss_sums
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
@@ -21,6 +22,8 @@ from meshlm.train.step import BATCH_KEYS, loss_sums, make_loss_grads, make_train
 from tests.support.training import make_batches, mesh_for
 
 B, T, E, V = 3, 24, 16, 50
+
+F32 = RunPolicy(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +69,13 @@ def _batch(cfg, seq=T, rows=4, seed=1):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_loss_and_gradients_do_not_depend_on_the_chunk(tied):
-    cfg = resolve_model("test", {"n_layers": "1", "tie_embeddings": str(tied)}).replace(dtype="float32")
+    cfg = resolve_model("test", {"n_layers": "1", "tie_embeddings": str(tied)})
     batch = _batch(cfg)
     mesh = mesh_for("1,1,1,1")
-    params = place(cfg, mesh).init(0)  # the same weights for both: loss_chunk changes no parameter
+    params = place(cfg, mesh, policy=F32).init(0)  # the same weights for both: loss_chunk changes no parameter
     results = []
     for chunk in (0, 5):
-        placement = place(cfg.replace(loss_chunk=chunk), mesh)
+        placement = place(cfg, mesh, policy=F32.replace(loss_chunk=chunk))
         results.append(
             jax.jit(jax.value_and_grad(lambda p, placement=placement: loss_sums(placement, p, batch), has_aux=True))(
                 params
@@ -97,8 +100,8 @@ MESH_CASES = [  # (mesh_dim, strategy, zero_stage, pipeline): rows, sequence (zi
 @pytest.fixture(scope="module")
 def unchunked_reference():
     batch = make_batches(steps=1)[0]
-    cfg = resolve_model("test", {"n_kv_heads": "8"}).replace(dtype="float32", loss_chunk=0)
-    placement = place(cfg, mesh_for("1,1,1,1"))
+    cfg = resolve_model("test", {"n_kv_heads": "8"})
+    placement = place(cfg, mesh_for("1,1,1,1"), policy=F32.replace(loss_chunk=0))
     params = placement.init(0)
     nll, count, grads = jax.jit(make_loss_grads(placement))(params, put_batch(placement, batch))
     return batch, cfg, params, float(nll / count), grads
@@ -107,7 +110,7 @@ def unchunked_reference():
 @pytest.mark.parametrize("dims, strategy, zero_stage, pipe", MESH_CASES)
 def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference, dims, strategy, zero_stage, pipe):
     batch, cfg, params, want, want_grads = unchunked_reference
-    cfg = cfg.replace(loss_chunk=5)  # T = 32: 7 chunks of 5 positions, 3 of them padding
+    chunked = F32.replace(loss_chunk=5)  # T = 32: 7 chunks of 5 positions, 3 of them padding
     schedule = None
     if pipe is None:
         mesh = mesh_for(dims)
@@ -115,7 +118,7 @@ def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference,
         name, pp, microbatches = pipe
         shape = parse_mesh_dim(dims, pp * int(np.prod([int(d) for d in dims.split(",")])), pp=pp)
         mesh, schedule = build_mesh(shape, jax.devices()[: shape.n_devices]), build_schedule(name, pp, microbatches)
-    placement = place(cfg, mesh, choose(strategy, zero_stage, None)[0])
+    placement = place(cfg, mesh, choose(strategy, zero_stage, None)[0], policy=chunked)
     perm = sequence_permutation(placement, batch["inputs"].shape[1])
     params = jax.device_put(params, placement.shardings)  # the reference's weights, laid out on this mesh
     nll, count, grads = jax.jit(make_loss_grads(placement, pipeline=schedule))(
@@ -129,8 +132,9 @@ def test_chunked_loss_on_meshes_equals_one_device_unchunked(unchunked_reference,
 
 
 def _step_temp_bytes(loss_chunk: int, rows: int = 8, seq: int = 256) -> int:
-    cfg = resolve_model("test", {"vocab_size": "32768"}).replace(dtype="float32", loss_chunk=loss_chunk)
-    placement, optimizer = place(cfg, mesh_for("1,1,1,1")), make_optimizer(OptimizerConfig())
+    cfg = resolve_model("test", {"vocab_size": "32768"})
+    placement = place(cfg, mesh_for("1,1,1,1"), policy=F32.replace(loss_chunk=loss_chunk))
+    optimizer = make_optimizer(OptimizerConfig())
     batch = {k: jax.ShapeDtypeStruct((rows, seq), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
     step = make_train_step(placement, optimizer).lower(abstract_state(placement, optimizer), batch).compile()
     return step.memory_analysis().temp_size_in_bytes
@@ -175,8 +179,8 @@ def test_bfloat16_loss_and_gradients_follow_float32(operands):
 
 
 def test_embedding_rows_are_gathered_in_the_compute_dtype():
-    cfg = resolve_model("test", {"n_layers": "1"}).replace(dtype="bfloat16")
-    model = place(cfg, mesh_for("1,1,1,1")).structure
+    cfg = resolve_model("test", {"n_layers": "1"})
+    model = place(cfg, mesh_for("1,1,1,1"), policy=RunPolicy(dtype="bfloat16")).structure
     table = jnp.asarray(np.random.default_rng(0).normal(size=(cfg.vocab_size, cfg.d_model)), jnp.float32)
     tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     jaxpr = jax.make_jaxpr(lambda t: model.embed_tokens(tokens, None, {"embed": t})[0])(table)
@@ -188,4 +192,4 @@ def test_embedding_rows_are_gathered_in_the_compute_dtype():
 
 def test_negative_loss_chunk_is_refused():
     with pytest.raises(UsageError, match="loss_chunk=-1"):
-        resolve_model("test", {"loss_chunk": "-1"})
+        RunPolicy(loss_chunk=-1)

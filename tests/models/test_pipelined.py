@@ -10,6 +10,7 @@ from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.decoder import REMAT_POLICIES
 from meshlm.models.pipelined import from_stages, pipelined_loss_and_grads, to_stages
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
@@ -17,11 +18,12 @@ from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, loss_sums, make_train_step
 
 B, T = 8, 32
+F32 = RunPolicy(dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = resolve_model("test", {"n_layers": "4"}).replace(dtype="float32")
+    cfg = resolve_model("test", {"n_layers": "4"})
     rng = np.random.default_rng(0)
     batch = {
         "inputs": rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
@@ -33,7 +35,7 @@ def reference():
     mesh = Mesh(
         np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("dp", "fsdp", "tp", "sp"), axis_types=(AxisType.Auto,) * 4
     )
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=F32)
     params = placement.init(0)
     (nll, count), grads = jax.jit(jax.value_and_grad(lambda p: loss_sums(placement, p, batch), has_aux=True))(params)
     return cfg, batch, params, float(nll / count), jax.tree.map(lambda g: g / count, grads)
@@ -54,7 +56,7 @@ def test_pipelined_loss_and_gradients_equal_the_plain_step(reference, pp, name, 
     cfg, batch, params, want_loss, want_grads = reference
     devices = np.array(jax.devices()[: pp * int(np.prod(rest))]).reshape(pp, *rest)
     mesh = Mesh(devices, ("pp", "dp", "fsdp", "tp", "sp"), axis_types=(AxisType.Auto,) * 5)
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=F32)
     schedule = build_schedule(name, pp, M, V)
     run = jax.jit(lambda p, b: pipelined_loss_and_grads(placement, schedule, p, b))
     (nll, count), grads = run(jax.device_put(params, placement.shardings), batch)
@@ -76,9 +78,9 @@ def remat_bytes(policy: str, n_layers: int, rows: int, pp: int = 1, microbatches
     """Compiled per-device temporary bytes of a train step of `rows` × 64 tokens, under one remat policy."""
     cfg = resolve_model(
         "test", {"n_layers": str(n_layers), "d_model": "128", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"}
-    ).replace(dtype="float32", remat=policy)
+    )
     mesh = build_mesh(parse_mesh_dim("1,1,1,1", pp, pp=pp), jax.devices()[:pp])
-    placement, optimizer = place(cfg, mesh), make_optimizer(OptimizerConfig())
+    placement, optimizer = place(cfg, mesh, policy=F32.replace(remat=policy)), make_optimizer(OptimizerConfig())
     schedule = build_schedule("gpipe", pp, microbatches) if pp > 1 else None
     step = make_train_step(placement, optimizer, pipeline=schedule)
     batch = {k: jax.ShapeDtypeStruct((rows, 64), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}

@@ -19,11 +19,13 @@ from meshlm.config import REMAT
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.decoder import REMAT_POLICIES
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.plan import memory
 from meshlm.plan.job import Job
 
-CFG = resolve_model("test", {"n_kv_heads": "2", "n_layers": "2"}).replace(dtype="float32")
+CFG = resolve_model("test", {"n_kv_heads": "2", "n_layers": "2"})
+F32 = RunPolicy(dtype="float32")
 # (mesh_dim, batch, seq_len): blockwise attention from 1024 tokens on; a ring when sp > 1
 JOBS = {"blockwise": ("1,1,1,1", 1, 1024), "ring": ("1,1,2,2", 2, 64)}
 SAVING = ("save_attn", "save_qkv_attn")  # the policies that keep the attention's output and log-sum-exp
@@ -41,14 +43,14 @@ def _inputs(job: str):
     mesh = build_mesh(shape, jax.devices()[: shape.n_devices])
     rng = np.random.default_rng(0)
     tokens, targets = (jnp.asarray(rng.integers(0, CFG.vocab_size, (batch, seq)), jnp.int32) for _ in range(2))
-    return mesh, place(CFG, mesh).init(seed=0), tokens, targets
+    return mesh, place(CFG, mesh, policy=F32).init(seed=0), tokens, targets
 
 
 @functools.cache
 def compiled(job: str, policy: str):
     """(the compiled loss-and-gradient program, its loss and gradients) of `job` under `policy`."""
     mesh, params, tokens, targets = _inputs(job)
-    placement = place(CFG.replace(remat=policy), mesh)
+    placement = place(CFG, mesh, policy=F32.replace(remat=policy))
     step = jax.jit(jax.value_and_grad(functools.partial(_loss, placement))).lower(params, tokens, targets).compile()
     loss, grads = step(params, tokens, targets)
     return step, float(loss), grads
@@ -110,7 +112,7 @@ def test_planner_activations_match_what_the_compiled_program_saves(policy):
     shape = parse_mesh_dim(mesh_dim, 1)
 
     def planned(remat):
-        return memory.estimate(Job(CFG.replace(remat=remat), batch, seq, 1, 1), shape).activations
+        return memory.estimate(Job(CFG, batch, seq, 1, 1, policy=F32.replace(remat=remat)), shape).activations
 
     predicted = planned(policy) - planned("full")
     got = temp_bytes("blockwise", policy) - temp_bytes("blockwise", "full")
@@ -123,7 +125,7 @@ def test_every_policy_is_a_flag_value():
 
 def test_planner_orders_the_policies_by_what_they_keep():
     """llama3-8b at 8192 tokens, bf16, tp=8 (blockwise attention: the log-sum-exp counts)."""
-    cfg = resolve_model("llama3-8b", {}).replace(dtype="bfloat16")
-    loc = Job(cfg, 8, 8192, 8, 1).local(parse_mesh_dim("1,1,8,1", 8))
+    cfg = resolve_model("llama3-8b", {})
+    loc = Job(cfg, 8, 8192, 8, 1, policy=RunPolicy(dtype="bfloat16")).local(parse_mesh_dim("1,1,8,1", 8))
     kept = [memory.saved_per_token_layer(loc, p) for p in ("full", "save_qkv_attn", "save_attn", "save_dots", "none")]
     assert kept == sorted(set(kept)), kept

@@ -27,13 +27,14 @@ def compile_for_v5p(model: str, batch: int, seq: int, **overrides):
 
     from meshlm.explain.verify import compile_placed
     from meshlm.mesh import parse_mesh_dim
+    from meshlm.models.policy import RunPolicy
     from meshlm.models.presets import resolve_model
     from meshlm.plan.job import Job
 
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
-    cfg = resolve_model(model, overrides).replace(dtype="bfloat16", remat="full")
+    cfg, policy = resolve_model(model, overrides), RunPolicy(dtype="bfloat16", remat="full")
     start = time.perf_counter()
-    compiled, _ = compile_placed(Job(cfg, batch_size=batch, seq_len=seq, n_devices=4),
+    compiled, _ = compile_placed(Job(cfg, batch_size=batch, seq_len=seq, n_devices=4, policy=policy),
                                  parse_mesh_dim("1,4,1,1", 4), list(devices))  # fmt: skip
     return compiled, compiled.as_text(), time.perf_counter() - start
 

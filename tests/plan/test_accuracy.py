@@ -9,6 +9,7 @@ import pytest
 
 from meshlm.explain.verify import compile_step, error_percent, measure
 from meshlm.mesh import parse_mesh_dim
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.plan import comms, memory
 from meshlm.plan.job import Job
@@ -34,8 +35,8 @@ IDS = [f"{'gqa' if o else 'test'}-{m}-{r}-b{b}-t{t}-a{a}" for o, m, b, t, r, a i
 
 
 def job_for(overrides, batch, seq, remat, accum):
-    cfg = resolve_model("test", overrides).replace(dtype="float32", remat=remat)
-    return Job(cfg, batch, seq, 8, accum)
+    cfg = resolve_model("test", overrides)
+    return Job(cfg, batch, seq, 8, accum, policy=RunPolicy(dtype="float32", remat=remat))
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import time
 import pytest
 
 from meshlm.mesh import parse_mesh_dim
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.plan import search
 from meshlm.plan.cost import min_compute_bound_shard, row_parallel_intensity
@@ -34,8 +35,8 @@ def _tp_plan(mlp_dim: int, tp: int):
             "vocab_size": "32768",
             "max_seq_len": "4096",
         },
-    ).replace(dtype="bfloat16")
-    job = Job(cfg, 16, 2048, tp)
+    )
+    job = Job(cfg, 16, 2048, tp, policy=RunPolicy(dtype="bfloat16"))
     return search.evaluate(job, parse_mesh_dim(f"1,1,{tp},1", tp), resolve_hardware("tpu-v6e", tp))
 
 
@@ -51,8 +52,8 @@ def test_operator_table_puts_tensor_parallel_matmuls_against_the_trillium_ridge(
 
 @pytest.mark.parametrize("hardware", ["h100", "tpu-v5p"])
 def test_70b_over_256_devices_is_planned_in_under_30_seconds(hardware):
-    cfg = resolve_model("llama2-70b", {}).replace(dtype="bfloat16", remat="full")
-    job = Job(cfg, 256, 4096, 256)
+    cfg = resolve_model("llama2-70b", {})
+    job = Job(cfg, 256, 4096, 256, policy=RunPolicy(dtype="bfloat16", remat="full"))
     t0 = time.perf_counter()
     plans, rejected = search.search(job, resolve_hardware(hardware, 256))
     seconds = time.perf_counter() - t0

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from meshlm.cli import main
+from meshlm.models.policy import RunPolicy
 
 JOB = ["plan", "--model=test", "--devices=8", "--batch_size=8", "--seq_len=32", "--hardware=cpu", "--json"]
 
@@ -78,7 +79,7 @@ def test_chart_shows_the_bars_and_keeps_legends_off_them(fixed_probe, tmp_path):
     from meshlm.plan.job import Job, PipelineFlags
 
     hw = resolve_hardware("cpu", 8, "float32")
-    job = Job(PRESETS["test"].replace(dtype="float32"), 8, 32, 8, 1, PipelineFlags("1f1b", None, 1))
+    job = Job(PRESETS["test"], 8, 32, 8, 1, PipelineFlags("1f1b", None, 1), RunPolicy(dtype="float32"))
     plans, _ = search.search(job, hw, None, (1,))
     fig = report.figure(job, hw, plans, 5)
     mem, step = fig.axes[:2]

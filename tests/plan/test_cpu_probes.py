@@ -6,12 +6,13 @@ from dataclasses import replace
 import pytest
 
 from meshlm.mesh import MeshShape
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import PRESETS
 from meshlm.plan import cost, estimate, search
 from meshlm.plan.hardware import CATALOG, collective_latency_probe, matmul_rows_probe
 from meshlm.plan.job import Job
 
-JOB = Job(PRESETS["test"].replace(dtype="float32"), 8, 32, 8)
+JOB = Job(PRESETS["test"], 8, 32, 8, policy=RunPolicy(dtype="float32"))
 
 
 def test_matmul_efficiency_interpolates_in_log_rows_and_holds_flat_outside():

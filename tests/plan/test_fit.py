@@ -55,25 +55,30 @@ def test_a_job_that_cannot_fit_is_refused_in_one_line_before_anything_compiles(
     assert "GB per device" in err and "nearest change that fits: --" in err and "MESHLM_MEMORY_CHECK=0" in err
 
 
+def resolved(cfg: TrainConfig, backend: str | None = None):
+    """(the model, its run policy) of a train config, as the job resolves them."""
+    return joblib.resolve_model(cfg)[0], joblib.resolve_policy(cfg, backend)
+
+
 def test_the_named_change_fits_and_a_tiny_job_passes(small_host):
     shape = MeshShape(1, 8, 1, 1)
     cfg = TrainConfig(model="small", mesh_dim="1,8,1,1", remat="none")
     with pytest.raises(UsageError) as refused:
-        joblib.check_memory(cfg, joblib.resolve_model(cfg)[0], shape)
+        joblib.check_memory(cfg, *resolved(cfg), shape)
     flag, value = str(refused.value).split("nearest change that fits: --")[1].split()[0].split("=")
     changed = dataclasses.replace(cfg, **{flag: type(getattr(cfg, flag))(value)})
-    joblib.check_memory(changed, joblib.resolve_model(changed)[0], shape)  # accepted
+    joblib.check_memory(changed, *resolved(changed), shape)  # accepted
     tiny = TrainConfig(model="tiny", mesh_dim="1,8,1,1")
-    joblib.check_memory(tiny, joblib.resolve_model(tiny)[0], shape)
+    joblib.check_memory(tiny, *resolved(tiny), shape)
 
 
 def test_the_escape_runs_it_anyway(small_host, monkeypatch):
     cfg = TrainConfig(model="small", mesh_dim="1,8,1,1")
-    model = joblib.resolve_model(cfg)[0]
+    model, policy = resolved(cfg)
     with pytest.raises(UsageError):
-        joblib.check_memory(cfg, model, MeshShape(1, 8, 1, 1))
+        joblib.check_memory(cfg, model, policy, MeshShape(1, 8, 1, 1))
     monkeypatch.setenv(joblib.MEMORY_CHECK, "0")
-    joblib.check_memory(cfg, model, MeshShape(1, 8, 1, 1))
+    joblib.check_memory(cfg, model, policy, MeshShape(1, 8, 1, 1))
 
 
 @pytest.mark.parametrize("preset, budget", [("test", None), ("tiny", None), ("small", None), ("tiny", 8 * 30e6)])
@@ -85,17 +90,17 @@ def test_what_plan_says_fits_on_cpu_is_what_train_accepts(preset, budget, monkey
         monkeypatch.setattr(hardware, "host_memory_budget", lambda: budget)
     monkeypatch.delenv(joblib.MEMORY_CHECK, raising=False)
     cfg = TrainConfig(model=preset, batch_size=8, seq_len=128)
-    model = joblib.resolve_model(cfg, backend="cpu")[0]
-    job, hw = Job(model, 8, 128, 8), _cpu_hardware(8)
+    model, policy = resolved(cfg, backend="cpu")
+    job, hw = Job(model, 8, 128, 8, policy=policy), _cpu_hardware(8)
     shapes, _ = search.candidate_shapes(job)
     verdicts = set()
     for shape in shapes:
         plan = search.best_on(job, shape, hw)
-        assert plan.job.cfg.remat == joblib.auto_remat(cfg, model, shape)  # one choice of policy
-        planned = model.replace(remat=plan.job.cfg.remat)
+        assert plan.job.policy.remat == joblib.auto_remat(cfg, model, policy, shape)  # one choice of policy
+        planned = policy.replace(remat=plan.job.policy.remat)
         try:
             joblib.check_memory(
-                TrainConfig(model=preset, batch_size=8, seq_len=128, remat=plan.job.cfg.remat), planned, shape
+                TrainConfig(model=preset, batch_size=8, seq_len=128, remat=planned.remat), model, planned, shape
             )
             accepted = True
         except UsageError:
@@ -107,8 +112,8 @@ def test_what_plan_says_fits_on_cpu_is_what_train_accepts(preset, budget, monkey
 
 def test_cpu_plan_never_asks_for_more_simulated_devices():
     cfg = TrainConfig(model="1b", batch_size=8, seq_len=256)
-    model = joblib.resolve_model(cfg, backend="cpu")[0]
-    job = Job(model, 8, 256, 8)
+    model, policy = resolved(cfg, backend="cpu")
+    job = Job(model, 8, 256, 8, policy=policy)
     hw = Hardware("cpu", 1e11, 1e11, 2e9 / 8, 1e10, 1e10, 1e10, fast_domain=8, devices_per_host=8)
     with pytest.raises(UsageError) as nothing:
         search.search(job, hw)
@@ -143,31 +148,31 @@ def _llama_layers(n_layers: int, scan_unroll: int = 0):
         seq_len=8192,
         model_overrides={"n_layers": n_layers, "scan_unroll": scan_unroll},
     )
-    return cfg, joblib.resolve_model(cfg, backend="accelerator")[0]
+    return cfg, *resolved(cfg, backend="accelerator")
 
 
 def test_unrolled_gpu_loop_keeps_every_activation_where_it_fits():
     """8 llama3-8b layers at 8192 tokens: measured 52.0 GB on an H200 with the loop unrolled (65.9 GB
     scanned); `none` fits an H100's budget and is the fastest."""
-    cfg, model = _llama_layers(8)
+    cfg, model, policy = _llama_layers(8)
     shape = MeshShape()
-    job = joblib.plan_job(cfg, model.replace(remat="none"), shape)
+    job = joblib.plan_job(cfg, model, policy.replace(remat="none"), shape)
     unrolled = memory.estimate(job, shape, "gpu").total
     assert 50e9 < unrolled < 56e9
-    scanned_cfg, scanned_model = _llama_layers(8, scan_unroll=1)
+    scanned_cfg, scanned_model, scanned_policy = _llama_layers(8, scan_unroll=1)
     scanned = memory.estimate(
-        joblib.plan_job(scanned_cfg, scanned_model.replace(remat="none"), shape), shape, "gpu"
+        joblib.plan_job(scanned_cfg, scanned_model, scanned_policy.replace(remat="none"), shape), shape, "gpu"
     ).total
     assert scanned > 60e9  # the scanned loop keeps its stacked buffers
-    assert joblib.auto_remat(cfg, model, shape, _GPU(H100_BUDGET_ON_H200)) == "none"
+    assert joblib.auto_remat(cfg, model, policy, shape, _GPU(H100_BUDGET_ON_H200)) == "none"
 
 
 def test_a_gpu_job_that_does_not_fit_still_recomputes():
-    cfg, model = _llama_layers(10)  # none: 64 GB predicted; save_dots: 55 GB
+    cfg, model, policy = _llama_layers(10)  # none: 64 GB predicted; save_dots: 55 GB
     shape = MeshShape()
-    chosen = joblib.auto_remat(cfg, model, shape, _GPU(H100_BUDGET_ON_H200))
+    chosen = joblib.auto_remat(cfg, model, policy, shape, _GPU(H100_BUDGET_ON_H200))
     assert chosen != "none"
-    job = joblib.plan_job(cfg, model.replace(remat=chosen), shape)
+    job = joblib.plan_job(cfg, model, policy.replace(remat=chosen), shape)
     assert fit.within(memory.estimate(job, shape, "gpu").total, H100_BUDGET_ON_H200)
     assert not fit.within(memory.estimate(remat.with_remat(job, "none"), shape, "gpu").total, H100_BUDGET_ON_H200)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.mesh import parse_mesh_dim
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.plan import comms, cost, estimate, memory, pipeline
 from meshlm.plan.hardware import CATALOG
@@ -49,8 +50,8 @@ def test_plan_never_imports_explain_nor_private_names():
 
 
 def test_estimate_picks_flat_or_pipelined_by_pp():
-    cfg = resolve_model("test", {"n_layers": "4"}).replace(dtype="float32")
-    job = Job(cfg, 16, 32, 8, 1, PipelineFlags("gpipe", 4))
+    cfg = resolve_model("test", {"n_layers": "4"})
+    job = Job(cfg, 16, 32, 8, 1, PipelineFlags("gpipe", 4), RunPolicy(dtype="float32"))
     hw = CATALOG["h100"]
     flat, staged = parse_mesh_dim("1,2,2,2", 8), parse_mesh_dim("1,1,4,1", 8, pp=2)
     assert estimate.memory_pie(job, flat) == memory.estimate(job, flat)

@@ -21,6 +21,7 @@ import pytest
 from meshlm.cli import main
 from meshlm.errors import UsageError
 from meshlm.mesh import parse_mesh_dim
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.plan import estimate, pipeline, search
@@ -41,8 +42,10 @@ IDS = [f"pp{pp}-{s}-M{m}-{mesh}-{remat}" for mesh, pp, s, m, v, b, remat, _ in G
 
 
 def job_for(mesh_dim, pp, schedule, microbatches, virtual, batch, remat, layers=8, seq=32):
-    cfg = resolve_model("test", {"n_layers": str(layers)}).replace(dtype="float32", remat=remat)
-    job = Job(cfg, batch, seq, 8, 1, PipelineFlags(schedule, microbatches, virtual))
+    cfg = resolve_model("test", {"n_layers": str(layers)})
+    job = Job(
+        cfg, batch, seq, 8, 1, PipelineFlags(schedule, microbatches, virtual), RunPolicy(dtype="float32", remat=remat)
+    )
     return job, parse_mesh_dim(mesh_dim, 8, pp=pp)
 
 
@@ -124,11 +127,12 @@ def test_gpipe_memory_grows_with_microbatches_and_1f1b_stays_flat():
     """pp = 4, 2 rows per microbatch: GPipe stashes all M microbatch inputs, 1F1B at most 2·pp."""
     cfg = resolve_model(
         "test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"}
-    ).replace(dtype="float32")
+    )
     shape = parse_mesh_dim("1,1,2,1", 8, pp=4)
 
     def total(name, M):
-        return estimate.memory_pie(Job(cfg, 2 * M, 64, 8, 1, PipelineFlags(name, M)), shape).total
+        job = Job(cfg, 2 * M, 64, 8, 1, PipelineFlags(name, M), RunPolicy(dtype="float32"))
+        return estimate.memory_pie(job, shape).total
 
     f = [total("1f1b", M) for M in (8, 16, 32)]
     g = [total("gpipe", M) for M in (8, 16, 32)]
@@ -240,8 +244,8 @@ def test_bad_pipeline_flags_are_one_line_exit_2(capsys, flags, words):
 
 def test_nothing_fits_names_pipeline_stages_when_they_would(monkeypatch):
     """When no mesh fits and stages would (here: the stage memory is made small), the one line says --pp."""
-    cfg = resolve_model("test", {"n_layers": "4"}).replace(dtype="float32", remat="full")
-    job = Job(cfg, 8, 32, 8)
+    cfg = resolve_model("test", {"n_layers": "4"})
+    job = Job(cfg, 8, 32, 8, policy=RunPolicy(dtype="float32", remat="full"))
     real = estimate.memory_pie
 
     def squeezed(job, shape, compiler="cpu"):
@@ -258,12 +262,12 @@ def test_stages_hold_their_layers_and_the_tables():
     """State per device: L/pp layers (exact, the layers axis maps to pp) and the whole tables on every rank."""
     from meshlm.plan.state_bytes import state_bytes
 
-    cfg = resolve_model("test", {"n_layers": "8"}).replace(dtype="float32")
+    cfg = resolve_model("test", {"n_layers": "8"})
     sb = state_bytes(cfg)
     one, four = parse_mesh_dim("1,1,1,1", 1), parse_mesh_dim("1,1,1,1", 4, pp=4)
     tables = 2 * cfg.vocab_size * cfg.d_model * 4 + cfg.d_model * 4
     assert sb.params_bytes(four) - tables == pytest.approx((sb.params_bytes(one) - tables) / 4)
-    job = Job(cfg, 8, 32, 4, 1, PipelineFlags("1f1b", 4))
+    job = Job(cfg, 8, 32, 4, 1, PipelineFlags("1f1b", 4), RunPolicy(dtype="float32"))
     terms = pipeline.memory_terms(job, four)
     assert terms["acc_tables"] == tables and terms["acc_layers"] == sb.params_bytes(four) - tables
 
@@ -363,8 +367,9 @@ def fit_set() -> None:
     mem, coll, xfer = [], [], []
     for model, mesh_dim, pp, schedule, M, V, batch, seq, remat in FIT_CASES:
         n = pp * math.prod(int(x) for x in mesh_dim.split(","))
-        cfg = resolve_model("test", FIT_MODELS[model]).replace(dtype="float32", remat=remat)
-        job, shape = Job(cfg, batch, seq, n, 1, PipelineFlags(schedule, M, V)), parse_mesh_dim(mesh_dim, n, pp=pp)
+        cfg, policy = resolve_model("test", FIT_MODELS[model]), RunPolicy(dtype="float32", remat=remat)
+        job = Job(cfg, batch, seq, n, 1, PipelineFlags(schedule, M, V), policy)
+        shape = parse_mesh_dim(mesh_dim, n, pp=pp)
         compiled, placement = compile_placed(job, shape, jax.devices()[:n])
         got = measure(compiled)
         plan = search.evaluate(job, shape, CATALOG["h100"])

@@ -8,7 +8,7 @@ import pytest
 
 from meshlm.cli import main
 from meshlm.config import TrainConfig
-from meshlm.job import auto_remat, resolve_model
+from meshlm.job import auto_remat, resolve_model, resolve_policy
 from meshlm.mesh import MeshShape
 from meshlm.plan import estimate, hardware, remat, search
 from meshlm.plan.hardware import resolve_hardware
@@ -54,8 +54,8 @@ def test_naming_a_policy_keeps_it_and_explains_what_would_fit(capsys):
 
 def test_search_takes_the_fastest_policy_that_fits_on_each_mesh():
     cfg = TrainConfig(model="llama3-8b", batch_size=64, seq_len=8192)
-    model, _ = resolve_model(cfg, backend="accelerator")
-    job = Job(model, 64, 8192, 64)
+    model, policy = resolve_model(cfg)[0], resolve_policy(cfg, backend="accelerator")
+    job = Job(model, 64, 8192, 64, policy=policy)
     hw = resolve_hardware("h100", 64)
     shape = MeshShape(1, 64, 1, 1)
     best = search.best_on(job, shape, hw)
@@ -63,13 +63,13 @@ def test_search_takes_the_fastest_policy_that_fits_on_each_mesh():
     fitting = [p for p in every if p.fits]
     assert fitting and best.fits
     assert best.time.step_s == min(p.time.step_s for p in fitting)
-    assert best.job.cfg.remat in [p.job.cfg.remat for p in fitting]
+    assert best.job.policy.remat in [p.job.policy.remat for p in fitting]
 
 
 def test_more_micro_batches_when_no_policy_fits_at_one():
     cfg = TrainConfig(model="llama2-70b", batch_size=512, seq_len=4096)
-    model, _ = resolve_model(cfg, backend="accelerator")
-    job = Job(model, 512, 4096, 64)
+    model, policy = resolve_model(cfg)[0], resolve_policy(cfg, backend="accelerator")
+    job = Job(model, 512, 4096, 64, policy=policy)
     shape = MeshShape(1, 64, 1, 1)
     budget = resolve_hardware("h100", 64).hbm_bytes * (1 - search.HEADROOM)
     one = estimate.memory_pie(remat.with_remat(job, "full"), shape).total
@@ -81,8 +81,8 @@ def test_more_micro_batches_when_no_policy_fits_at_one():
 
 def test_first_fitting_is_the_least_recomputation_under_the_budget():
     cfg = TrainConfig(model="llama3-8b", batch_size=8, seq_len=8192)
-    model, _ = resolve_model(cfg, backend="accelerator")
-    job, shape = Job(model, 8, 8192, 8), MeshShape(1, 8, 1, 1)
+    model, policy = resolve_model(cfg)[0], resolve_policy(cfg, backend="accelerator")
+    job, shape = Job(model, 8, 8192, 8, policy=policy), MeshShape(1, 8, 1, 1)
     peaks = {p: estimate.memory_pie(remat.with_remat(job, p), shape).total for p in remat.POLICIES}
     assert peaks["none"] > peaks["full"]
     for policy in remat.POLICIES:
@@ -109,41 +109,44 @@ def test_train_auto_on_cpu_keeps_everything_while_the_scratch_stays_in_one_kept_
     cpu = _Device("cpu", None)
     small = TrainConfig(model="tiny", batch_size=8, seq_len=256)
     monkeypatch.setattr(platform, "keep_host_memory", lambda environ=None: True)
-    model = resolve_model(small)[0]
-    pie = estimate.memory_pie(remat.with_remat(Job(model, 8, 256, 8), "none"), MeshShape(1, 8, 1, 1))
+    model, policy = resolve_model(small)[0], resolve_policy(small)
+    pie = estimate.memory_pie(remat.with_remat(Job(model, 8, 256, 8, policy=policy), "none"), MeshShape(1, 8, 1, 1))
     assert pie.total - pie.params - pie.optimizer <= platform.KEPT_BLOCK_BYTES
-    assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "none"
+    assert auto_remat(small, model, policy, MeshShape(1, 8, 1, 1), cpu) == "none"
     # One device holds the whole batch's activations: 8 times the scratch, past the block.
-    assert auto_remat(small, model, MeshShape(1, 1, 1, 1), cpu) == "save_qkv_attn"
+    assert auto_remat(small, model, policy, MeshShape(1, 1, 1, 1), cpu) == "save_qkv_attn"
     kept = platform.KEPT_BLOCK_BYTES
     monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", 0)
-    assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
+    assert auto_remat(small, model, policy, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
     monkeypatch.setattr(platform, "KEPT_BLOCK_BYTES", kept)
     monkeypatch.setattr(platform, "keep_host_memory", lambda environ=None: False)
-    assert auto_remat(small, model, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
+    assert auto_remat(small, model, policy, MeshShape(1, 8, 1, 1), cpu) == "save_qkv_attn"
 
 
 def test_train_auto_recomputes_the_mlp_on_cpu_and_takes_the_fitting_policy_on_an_accelerator():
     cfg = TrainConfig(model="llama3-8b", batch_size=8, seq_len=8192, dtype="bfloat16")
-    model, _ = resolve_model(cfg)
+    model, policy = resolve_model(cfg)[0], resolve_policy(cfg)
     shape = MeshShape(1, 8, 1, 1)
-    assert model.remat == "auto"
+    assert policy.remat == "auto"
     host = hardware.host_memory_bytes()
-    if host / 8 < estimate.memory_pie(remat.with_remat(Job(model, 8, 8192, 8), "save_qkv_attn"), shape).total:
-        assert auto_remat(cfg, model, shape, _Device("cpu", None)) == "full"  # the host's share is too small
+    if (
+        host / 8
+        < estimate.memory_pie(remat.with_remat(Job(model, 8, 8192, 8, policy=policy), "save_qkv_attn"), shape).total
+    ):
+        assert auto_remat(cfg, model, policy, shape, _Device("cpu", None)) == "full"  # the host's share is too small
     roomy, tight = _Device("gpu", 10**13), _Device("gpu", int(60e9))
-    assert auto_remat(cfg, model, shape, roomy) == "none"
-    chosen = auto_remat(cfg, model, shape, tight)
-    job = Job(model, 8, 8192, 8)
+    assert auto_remat(cfg, model, policy, shape, roomy) == "none"
+    chosen = auto_remat(cfg, model, policy, shape, tight)
+    job = Job(model, 8, 8192, 8, policy=policy)
     assert chosen != "none"
     assert estimate.memory_pie(remat.with_remat(job, chosen), shape).total <= 60e9 * (1 - search.HEADROOM)
 
 
 def test_planning_70b_on_256_devices_is_fast():
     cfg = TrainConfig(model="llama2-70b", batch_size=512, seq_len=4096)
-    model, _ = resolve_model(cfg, backend="accelerator")
-    job, hw = Job(model, 512, 4096, 256), resolve_hardware("h100", 256)
+    model, policy = resolve_model(cfg)[0], resolve_policy(cfg, backend="accelerator")
+    job, hw = Job(model, 512, 4096, 256, policy=policy), resolve_hardware("h100", 256)
     t0 = time.perf_counter()
     plans, _ = search.search(job, hw)
     assert time.perf_counter() - t0 < 5.0 and plans[0].fits
-    assert job.cfg.remat == "auto"  # the caller's job is left as it was
+    assert job.policy.remat == "auto"  # the caller's job is left as it was

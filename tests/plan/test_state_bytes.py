@@ -14,13 +14,14 @@ import pytest
 from meshlm import sharding
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.optimizer import OptimizerConfig, make_optimizer
 from meshlm.plan.state_bytes import real_bytes_per_device, state_bytes
 from meshlm.train.state import create_train_state
 from meshlm.train.step import BATCH_KEYS, loss_sums
 
-CFG = resolve_model("test", {"n_kv_heads": "4"}).replace(dtype="float32")
+CFG = resolve_model("test", {"n_kv_heads": "4"})
 MESHES = ["1,8,1,1", "2,2,2,1", "1,2,2,2"]
 
 
@@ -37,7 +38,7 @@ def _batch(placement, rows=8, seq=32):
 @pytest.fixture(scope="module", params=MESHES)
 def real(request):
     shape = parse_mesh_dim(request.param, 8)
-    placement = place(CFG, build_mesh(shape, jax.devices()[:8]))
+    placement = place(CFG, build_mesh(shape, jax.devices()[:8]), policy=RunPolicy(dtype="float32"))
     optimizer = make_optimizer(OptimizerConfig())
     state = create_train_state(placement, optimizer, seed=0)
     grad = jax.grad(lambda p, b: loss_sums(placement, p, b)[0])

@@ -17,6 +17,7 @@ import pytest
 
 from meshlm.explain.verify import compile_step, error_percent, measure, target_devices
 from meshlm.mesh import parse_mesh_dim
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.plan import comms, memory
 from meshlm.plan.job import Job
@@ -27,6 +28,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: shar
 CASES = ("1,2,2,1", "1,1,4,1", "1,2,1,2")
 V5E_CASES = ("1,1,4,1", "1,2,1,2")  # all on chip but 8 MB; the ring, whose loop keeps its buffers in HBM
 BATCH, SEQ = 8, 512
+BF16_FULL = RunPolicy(dtype="bfloat16", param_dtype="float32", remat="full")
 
 
 def compile_cases(hardware: str, cases: tuple[str, ...]) -> dict:
@@ -35,8 +37,8 @@ def compile_cases(hardware: str, cases: tuple[str, ...]) -> dict:
     assert where.startswith("TPU topology"), where
     out = {}
     for mesh_dim in cases:
-        cfg = resolve_model("tiny", {}).replace(dtype="bfloat16", param_dtype="float32", remat="full")
-        job, shape = Job(cfg, BATCH, SEQ, 4), parse_mesh_dim(mesh_dim, 4)
+        cfg = resolve_model("tiny", {})
+        job, shape = Job(cfg, BATCH, SEQ, 4, policy=BF16_FULL), parse_mesh_dim(mesh_dim, 4)
         out[mesh_dim] = (job, shape, measure(compile_step(job, shape, devices)))
     return out
 
@@ -79,8 +81,8 @@ def test_onchip_memory_takes_at_most_its_size_and_never_the_state():
     onchip = memory.onchip_bytes("tpu-v5e")
     assert onchip == CATALOG["tpu-v5e"].onchip_bytes == 112 * 2**20
     for model, (batch, seq) in (("tiny", (BATCH, SEQ)), ("small", (4, 1024)), ("1b", (4, 1024))):
-        cfg = resolve_model(model, {}).replace(dtype="bfloat16", param_dtype="float32", remat="full")
-        job = Job(cfg, batch, seq, 4)
+        cfg = resolve_model(model, {})
+        job = Job(cfg, batch, seq, 4, policy=BF16_FULL)
         for mesh_dim in CASES + ("1,4,1,1", "2,2,1,1"):
             shape = parse_mesh_dim(mesh_dim, 4)
             on_v5p, on_v5e = memory.estimate(job, shape, "tpu"), memory.estimate(job, shape, "tpu-v5e")
@@ -124,8 +126,8 @@ def test_each_hardware_gets_the_temporaries_of_its_compiler():
     assert {memory.compiler_for(n) for n in ("tpu-v5e", "TPU v5 lite")} == {"tpu-v5e"}  # with on-chip memory
     assert {memory.compiler_for(n) for n in ("h100", "NVIDIA H100 80GB HBM3", "b200", "h200")} == {"gpu"}
     assert memory.compiler_for("cpu") == "cpu"
-    cfg = resolve_model("tiny", {}).replace(dtype="bfloat16", param_dtype="float32", remat="full")
-    job, shape = Job(cfg, BATCH, SEQ, 4), parse_mesh_dim("1,2,1,2", 4)
+    cfg = resolve_model("tiny", {})
+    job, shape = Job(cfg, BATCH, SEQ, 4, policy=BF16_FULL), parse_mesh_dim("1,2,1,2", 4)
     on_v5p, on_cpu = memory.estimate(job, shape, "tpu"), memory.estimate(job, shape)
     # The exact parts do not depend on the compiler; the ring's score blocks are counted on TPUs only.
     assert (on_v5p.params, on_v5p.gradients, on_v5p.optimizer) == (on_cpu.params, on_cpu.gradients, on_cpu.optimizer)

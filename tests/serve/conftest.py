@@ -16,11 +16,14 @@ import pytest
 
 from meshlm import mesh as meshlib
 from meshlm.data.tokenizer import train_tokenizer
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.serve.api.routes import create_app
 from meshlm.serve.api.server import make_server
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.loading import random_model
+
+F32 = RunPolicy(dtype="float32", param_dtype="float32")
 
 MAX_SEQ_LEN = 256
 MAX_BATCH = 8
@@ -37,12 +40,15 @@ def make_engine(
 ) -> Engine:
     """An engine on random float32 weights of a preset with a small byte-level tokenizer, on the first
     devices of the mesh `mesh_dim`; started (compiled) unless `start=False`."""
-    cfg = resolve_model(preset).replace(dtype="float32", param_dtype="float32")
+    cfg = resolve_model(preset)
     n = math.prod(int(x) for x in mesh_dim.split(","))
     mesh = meshlib.build_mesh(meshlib.parse_mesh_dim(mesh_dim, n), jax.devices()[:n])
     tokenizer = train_tokenizer("stdlib", cfg.vocab_size, train_chars=400_000)
     engine = Engine(
-        random_model(cfg, mesh, tokenizer, seed=seed, name=preset), max_batch=max_batch, max_seq_len=max_seq_len, **kw
+        random_model(cfg, mesh, tokenizer, seed=seed, name=preset, policy=F32),
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        **kw,
     )
     return engine.start() if start else engine
 

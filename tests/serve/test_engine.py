@@ -9,6 +9,7 @@ import pytest
 
 from meshlm import mesh as meshlib
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.engine.request import GenerationRequest
@@ -16,7 +17,9 @@ from meshlm.serve.engine.sampling import SamplingParams
 from meshlm.serve.engine.shapes import length_buckets
 from meshlm.serve.loading import LoadedModel
 
-CFG = resolve_model("test").replace(dtype="float32", param_dtype="float32", n_kv_heads=4)
+F32 = RunPolicy(dtype="float32", param_dtype="float32")
+
+CFG = resolve_model("test").replace(n_kv_heads=4)
 NEW_TOKENS = 32
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 52)), [7], [300, 301, 302, 303, 304, 305, 306, 307, 308]]
 
@@ -42,18 +45,18 @@ def _mesh(mesh_dim: str):
 @pytest.fixture(scope="module")
 def host_params():
     """One set of random weights for every mesh (initialised once: compiling the initialiser is slow on CPU)."""
-    return jax.device_get(place(CFG, _mesh("1,1,1,1")).init(seed=0))
+    return jax.device_get(place(CFG, _mesh("1,1,1,1"), policy=F32).init(seed=0))
 
 
 def _model(mesh, host_params) -> LoadedModel:
-    placement = place(CFG, mesh)
+    placement = place(CFG, mesh, policy=F32)
     return LoadedModel(CFG, placement, jax.device_put(host_params, placement.shardings), _Ids(), "test")
 
 
 @pytest.fixture(scope="module")
 def reference(host_params):
     """Greedy continuation by full forward passes without a cache, one token at a time, on one device."""
-    placement = place(CFG, _mesh("1,1,1,1"))
+    placement = place(CFG, _mesh("1,1,1,1"), policy=F32)
     params = jax.device_put(host_params, placement.shardings)
     width = max(map(len, PROMPTS)) + NEW_TOKENS
     forward = jax.jit(lambda p, t: placement.apply(p, t))  # causal: padding after a row's end changes nothing
@@ -83,7 +86,7 @@ def test_greedy_with_cache_matches_full_forward(reference, host_params, mesh_dim
         engine.stop()
     assert got == reference
     assert engine.compiled_shapes() == 2, "traffic after warm-up compiled a new shape"
-    assert engine.steps.state.cache_k[0].sharding.spec == place(CFG, mesh).cache_sharding().spec
+    assert engine.steps.state.cache_k[0].sharding.spec == place(CFG, mesh, policy=F32).cache_sharding().spec
 
 
 @pytest.fixture(scope="module")

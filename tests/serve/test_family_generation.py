@@ -6,12 +6,15 @@ import pytest
 
 from meshlm.checkpoint.weights import load_params, read_model_config
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.engine.request import GenerationRequest
 from meshlm.serve.engine.sampling import SamplingParams
 from meshlm.serve.loading import LoadedModel
 from tests.support.hf import mesh_of
 from tests.support.hf_families import torch_family
+
+F32 = RunPolicy(dtype="float32", param_dtype="float32")
 
 NEW_TOKENS = 12
 # Longer than the cases' sliding window of 8, so local layers drop keys while the prompt is read and while
@@ -57,9 +60,9 @@ def test_greedy_generation_equals_transformers(family, mesh_dim, tmp_path):
     model = torch_family(family)
     model.save_pretrained(tmp_path)
     expected = [_transformers_greedy(model, p) for p in PROMPTS]
-    cfg = read_model_config(f"hf:{tmp_path}").replace(dtype="float32", param_dtype="float32")
+    cfg = read_model_config(f"hf:{tmp_path}")
     assert cfg.family == family and cfg.sliding_window == 8
-    placement = place(cfg, mesh_of(mesh_dim))
+    placement = place(cfg, mesh_of(mesh_dim), policy=F32)
     params = load_params(f"hf:{tmp_path}", placement)
     engine = Engine(
         LoadedModel(cfg, placement, params, _Ids(), family), max_batch=2, max_seq_len=32, prefill_buckets=(16,)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.engine.request import GenerationRequest
@@ -13,20 +14,22 @@ from meshlm.serve.engine.sampling import SamplingParams
 from meshlm.serve.loading import LoadedModel
 from tests.serve.test_engine import _Ids, _mesh
 
-CFG = resolve_model("test").replace(dtype="float32", param_dtype="float32", n_heads=8, n_kv_heads=2)
+F32 = RunPolicy(dtype="float32", param_dtype="float32")
+
+CFG = resolve_model("test").replace(n_heads=8, n_kv_heads=2)
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 52))]
 NEW = 12
 
 
 @pytest.fixture(scope="module")
 def host_params():
-    return jax.device_get(place(CFG, _mesh("1,1,1,1")).init(seed=1))
+    return jax.device_get(place(CFG, _mesh("1,1,1,1"), policy=F32).init(seed=1))
 
 
 @pytest.fixture(scope="module")
 def reference(host_params):
     """Greedy continuations by full forward passes without a cache, on one device."""
-    placement = place(CFG, _mesh("1,1,1,1"))
+    placement = place(CFG, _mesh("1,1,1,1"), policy=F32)
     params = jax.device_put(host_params, placement.shardings)
     forward = jax.jit(lambda p, t: placement.apply(p, t))
     width, outs = max(map(len, PROMPTS)) + NEW, []
@@ -42,7 +45,7 @@ def reference(host_params):
 @pytest.mark.parametrize("mesh_dim, heads", [("1,1,4,1", 4), ("1,1,8,1", 8)])
 def test_decoding_with_more_tp_ranks_than_kv_heads(host_params, reference, mesh_dim, heads):
     mesh = _mesh(mesh_dim)
-    placement = place(CFG, mesh)
+    placement = place(CFG, mesh, policy=F32)
     assert placement.cache_heads() == heads
     model = LoadedModel(CFG, placement, jax.device_put(host_params, placement.shardings), _Ids(), "test")
     engine = Engine(model, max_batch=2, max_seq_len=64, prefill_buckets=(16,)).start()

@@ -14,11 +14,14 @@ import pytest
 from meshlm.checkpoint.weights import load_params, read_model_config
 from meshlm.data.tokenizer import train_tokenizer
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.serve.api.routes import create_app
 from meshlm.serve.engine.batching import Engine
 from meshlm.serve.engine.scoring import Scorer
 from meshlm.serve.loading import LoadedModel
 from tests.support.hf import mesh_of, small_hf_config, torch_llama, torch_logits
+
+F32 = RunPolicy(dtype="float32")
 
 VOCAB = 512
 LLAMA3 = {
@@ -49,9 +52,9 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(hf_model):
-    cfg = read_model_config(f"hf:{hf_model[1]}").replace(dtype="float32")
+    cfg = read_model_config(f"hf:{hf_model[1]}")
     assert cfg.n_kv_heads < cfg.n_heads and cfg.rope_theta == 500000.0 and cfg.rope_scaling is not None
-    placement = place(cfg, mesh_of("1,1,2,1"))
+    placement = place(cfg, mesh_of("1,1,2,1"), policy=F32)
     params = load_params(f"hf:{hf_model[1]}", placement)
     tokenizer = train_tokenizer("stdlib", VOCAB, train_chars=400_000)
     return cfg, placement, params, tokenizer

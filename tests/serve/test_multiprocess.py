@@ -25,8 +25,11 @@ import numpy as np
 import pytest
 
 from meshlm import mesh as meshlib
+from meshlm.models.policy import RunPolicy
 from meshlm.serve.engine import multihost
 from meshlm.serve.engine.sampling import SamplingParams, SlotSampling
+
+F32 = RunPolicy(dtype="float32", param_dtype="float32")
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "def main("
@@ -50,11 +53,11 @@ def checkpoint(tmp_path_factory) -> Path:
     from meshlm.models.presets import resolve_model
 
     root = tmp_path_factory.mktemp("model")
-    cfg = resolve_model("test").replace(dtype="float32", param_dtype="float32")
+    cfg = resolve_model("test")
     one = meshlib.build_mesh(meshlib.parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
     train_tokenizer("stdlib", cfg.vocab_size, train_chars=400_000).save(root / "tokenizer")
     return save_params(
-        jax.device_get(place(cfg, one).init(seed=0)), cfg, root / "test", tokenizer_dir=root / "tokenizer"
+        jax.device_get(place(cfg, one, policy=F32).init(seed=0)), cfg, root / "test", tokenizer_dir=root / "tokenizer"
     )
 
 

@@ -9,7 +9,7 @@ from meshlm.explain.analysis import boundaries, collectives
 from meshlm.models.placement import place
 from meshlm.strategy import choose
 from tests.support.cli import meshlm
-from tests.support.training import CFG, B, T, mesh_for
+from tests.support.training import CFG, POLICY, B, T, mesh_for
 from tests.support.training import run_strategy as run
 
 GROUPS = """
@@ -44,7 +44,7 @@ spec = ["", "tp", ""]
 """,
     )
     strategy, rules = choose("default", None, f)
-    placement = place(CFG, mesh_for("1,2,4,1"), strategy, rules)
+    placement = place(CFG, mesh_for("1,2,4,1"), strategy, rules, policy=POLICY)
     layers = placement.specs["layers"]
     assert layers["mlp"]["gate"] == layers["mlp"]["up"] == P(None, "fsdp", "tp")
     assert layers["attn"]["wq"] == P(None, "fsdp", None, None)

@@ -7,6 +7,7 @@ import numpy as np
 
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
 from meshlm.strategy import choose
@@ -15,7 +16,8 @@ from meshlm.train.step import compile_step, make_train_step, put_batch, sequence
 
 B, T, STEPS = 8, 32, 3
 LR = 1e-2
-CFG = resolve_model("test", {"n_kv_heads": "8"}).replace(dtype="float32")
+CFG = resolve_model("test", {"n_kv_heads": "8"})
+POLICY = RunPolicy(dtype="float32")
 OPT = OptimizerConfig(lr=LR, warmup_steps=1, total_steps=10)
 
 
@@ -48,7 +50,7 @@ def mesh_for(dims: str):
     return build_mesh(shape, jax.devices()[: shape.n_devices])
 
 
-_made_on = {}  # (cfg, opt_cfg, dims) -> the fresh state create_train_state made on that mesh, on the host
+_made_on = {}  # (cfg, policy, opt_cfg, dims) -> the fresh state create_train_state made on that mesh, on the host
 
 
 def fresh_state(placement, optimizer, key):
@@ -61,15 +63,15 @@ def fresh_state(placement, optimizer, key):
     return jax.device_put(_made_on[key], state_shardings(placement, optimizer))
 
 
-def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init=False):
+def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init=False, policy=POLICY):
     """Losses of training from create_train_state's state on `dims`; with `shared_init`, from the state
     made on one device, laid out for `dims` (see `train`)."""
-    placement = place(cfg, mesh_for(dims))
+    placement = place(cfg, mesh_for(dims), policy=policy)
     optimizer = make_optimizer(opt_cfg)
     if shared_init:
-        state = jax.device_put(initial_state_on_host(cfg, opt_cfg), state_shardings(placement, optimizer))
+        state = jax.device_put(initial_state_on_host(cfg, opt_cfg, policy), state_shardings(placement, optimizer))
     else:
-        state = fresh_state(placement, optimizer, (cfg, opt_cfg, dims))
+        state = fresh_state(placement, optimizer, (cfg, policy, opt_cfg, dims))
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), grad_accum)
     perm = sequence_permutation(placement, T)
     losses, grad_norms = [], []
@@ -80,12 +82,12 @@ def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init
     return dict(placement=placement, state=state, losses=losses, grad_norms=grad_norms, step=step)
 
 
-def initial_state_on_host(cfg=CFG, opt_cfg=OPT):
+def initial_state_on_host(cfg=CFG, opt_cfg=OPT, policy=POLICY):
     """A fresh train state (seed 0) made on one device, on the host: compiling the initialiser costs about
     as much as compiling a train step on 2 CPU cores, so this is done once per model and optimizer."""
-    key = (cfg, opt_cfg, "1,1,1,1")
+    key = (cfg, policy, opt_cfg, "1,1,1,1")
     if key not in _made_on:
-        fresh_state(place(cfg, mesh_for("1,1,1,1")), make_optimizer(opt_cfg), key)
+        fresh_state(place(cfg, mesh_for("1,1,1,1"), policy=policy), make_optimizer(opt_cfg), key)
     return _made_on[key]
 
 
@@ -96,7 +98,9 @@ def train(placement, with_grads=False, grad_accum=1, shared_init=False):
     optimizer = make_optimizer(OPT)
     step, grads, batch = compile_step(placement, optimizer, B, T, grad_accum, lr_schedule(OPT), with_grads)
     if shared_init:
-        assert placement.cfg == CFG and not placement.groups, "the shared state is CFG's, without layer groups"
+        assert placement.cfg == CFG and placement.policy == POLICY and not placement.groups, (
+            "the shared state is CFG's, without layer groups"
+        )
         state = jax.device_put(initial_state_on_host(), state_shardings(placement, optimizer))
     else:
         state = create_train_state(placement, optimizer, seed=0)
@@ -121,4 +125,4 @@ def run_strategy(
     shared_init=False,
 ):
     s, rules = choose(strategy, zero_stage, rules_file)
-    return train(place(CFG, mesh_for(dims), s, rules), with_grads, grad_accum, shared_init)
+    return train(place(CFG, mesh_for(dims), s, rules, policy=POLICY), with_grads, grad_accum, shared_init)

@@ -3,10 +3,12 @@ where the job runs that kernel."""
 
 import numpy as np
 
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.train.diagnostics import DocumentsWatch
 
-CFG = resolve_model("test", {}).replace(dtype="bfloat16", max_documents=3)
+CFG = resolve_model("test", {})
+POLICY = RunPolicy(dtype="bfloat16", max_documents=3)
 
 
 def _batch(documents_per_row):
@@ -14,7 +16,7 @@ def _batch(documents_per_row):
 
 
 def test_warns_once_where_cudnn_packs_documents():
-    watch = DocumentsWatch(CFG, 16, ring=False, platform="gpu", gpu_capability=9.0)
+    watch = DocumentsWatch(CFG, POLICY, 16, ring=False, platform="gpu", gpu_capability=9.0)
     assert watch.check(_batch([1, 3])) is None
     line = watch.check(_batch([2, 5]))
     assert "5 documents" in line and "--model.max_documents=3" in line and "\n" not in line
@@ -23,8 +25,8 @@ def test_warns_once_where_cudnn_packs_documents():
 
 def test_silent_where_another_kernel_runs():
     many = _batch([6])
-    assert DocumentsWatch(CFG, 16, ring=False, platform="cpu", gpu_capability=None).check(many) is None
-    assert DocumentsWatch(CFG, 16, ring=False, platform="gpu", gpu_capability=8.0).check(many) is None  # triton
-    assert DocumentsWatch(CFG, 16, ring=True, platform="gpu", gpu_capability=9.0).check(many) is None  # ring
-    forced = CFG.replace(attention="triton")
-    assert DocumentsWatch(forced, 16, ring=False, platform="gpu", gpu_capability=9.0).check(many) is None
+    assert DocumentsWatch(CFG, POLICY, 16, ring=False, platform="cpu", gpu_capability=None).check(many) is None
+    assert DocumentsWatch(CFG, POLICY, 16, ring=False, platform="gpu", gpu_capability=8.0).check(many) is None  # triton
+    assert DocumentsWatch(CFG, POLICY, 16, ring=True, platform="gpu", gpu_capability=9.0).check(many) is None  # ring
+    forced = POLICY.replace(attention="triton")
+    assert DocumentsWatch(CFG, forced, 16, ring=False, platform="gpu", gpu_capability=9.0).check(many) is None

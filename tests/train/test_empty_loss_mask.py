@@ -14,7 +14,7 @@ from meshlm.strategy import choose
 from meshlm.train.diagnostics import NonFiniteWatch
 from meshlm.train.state import create_train_state
 from meshlm.train.step import make_train_step, put_batch, sequence_permutation
-from tests.support.training import CFG, OPT, T, make_batches, mesh_for
+from tests.support.training import CFG, OPT, POLICY, T, make_batches, mesh_for
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ from tests.support.training import CFG, OPT, T, make_batches, mesh_for
 )
 def test_step_on_a_batch_without_counted_tokens(dims, zero_stage, grad_accum, weight_decay):
     opt = dataclasses.replace(OPT, weight_decay=weight_decay)
-    placement = place(CFG, mesh_for(dims), choose("default", zero_stage, None)[0])
+    placement = place(CFG, mesh_for(dims), choose("default", zero_stage, None)[0], policy=POLICY)
     optimizer = make_optimizer(opt)
     state = create_train_state(placement, optimizer, seed=0)
     before = jax.device_get(state.params)

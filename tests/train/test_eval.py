@@ -17,6 +17,7 @@ from meshlm.data import held_out_rows, load_tokenizer, pack_rows, tokenize_corpu
 from meshlm.errors import UsageError
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.train.loop import train
 
@@ -76,9 +77,9 @@ def test_eval_loss_equals_an_independent_forward_pass(run, corpus):
     out, summary, _ = run
     assert [e["step"] for e in summary["evals"]] == [2, 4]
     got = summary["evals"][-1]  # after step 4, with the parameters of checkpoint 4
-    cfg = resolve_model("test").replace(dtype="float32")
+    cfg = resolve_model("test")
     mesh = build_mesh(parse_mesh_dim("1,1,1,1", 1), jax.devices()[:1])
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=RunPolicy(dtype="float32"))
     params = load_params(str(out / "run"), placement)
     tok = load_tokenizer(None, corpus, cfg.vocab_size, cache_dir=out / "cache")
     tokens = tokenize_corpus(corpus, tok, cache_dir=out / "cache")

@@ -11,13 +11,13 @@ from meshlm.optimizer import lr_schedule, make_optimizer
 from meshlm.train.state import abstract_state, create_train_state
 from meshlm.train.step import make_train_step, put_batch, sequence_permutation
 from meshlm.train.trainable import LoraTraining
-from tests.support.training import CFG, OPT, T, make_batches, mesh_for
+from tests.support.training import CFG, OPT, POLICY, T, make_batches, mesh_for
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
 
 
 def lora_run(dims: str, spec=SPEC):
-    placement = place(CFG, mesh_for(dims))
+    placement = place(CFG, mesh_for(dims), policy=POLICY)
     lora = LoraTraining(place_lora(placement, spec))
     optimizer = make_optimizer(OPT)
     state = create_train_state(placement, optimizer, seed=0, trainable=lora)

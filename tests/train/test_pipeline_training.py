@@ -12,6 +12,7 @@ import pytest
 from meshlm.errors import UsageError
 from meshlm.mesh import build_mesh, parse_mesh_dim
 from meshlm.models.placement import place
+from meshlm.models.policy import RunPolicy
 from meshlm.models.presets import resolve_model
 from meshlm.ops.pipeline import build_schedule
 from meshlm.optimizer import OptimizerConfig, make_optimizer
@@ -77,10 +78,10 @@ def compiled(schedule_name: str, M: int, pp: int = 4, mesh_dim: str = "1,1,1,1",
     """The compiled train step on pp × mesh_dim simulated devices, `rows` rows per microbatch."""
     cfg = resolve_model(
         "test", {"n_layers": "4", "d_model": "256", "n_heads": "4", "n_kv_heads": "4", "mlp_dim": "256"}
-    ).replace(dtype="float32")
+    )
     n = pp * int(np.prod([int(a) for a in mesh_dim.split(",")]))
     mesh = build_mesh(parse_mesh_dim(mesh_dim, n, pp=pp), jax.devices()[:n])
-    placement = place(cfg, mesh)
+    placement = place(cfg, mesh, policy=RunPolicy(dtype="float32"))
     optimizer = make_optimizer(OptimizerConfig())
     step = make_train_step(placement, optimizer, pipeline=build_schedule(schedule_name, pp, M))
     batch = {k: jax.ShapeDtypeStruct((rows * M, 64), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}

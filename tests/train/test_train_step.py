@@ -13,7 +13,7 @@ from meshlm.models.placement import place
 from meshlm.optimizer import make_optimizer
 from meshlm.train.state import abstract_state
 from meshlm.train.step import BATCH_KEYS, put_batch
-from tests.support.training import CFG, LR, OPT, STEPS, make_batches, mesh_for, run
+from tests.support.training import CFG, LR, OPT, POLICY, STEPS, make_batches, mesh_for, run
 
 MESHES = ["1,1,1,1", "8,1,1,1", "1,8,1,1", "1,1,8,1", "2,2,2,1", "1,2,4,1"]
 
@@ -104,7 +104,7 @@ def test_every_parameter_sharding_matches_the_table(runs, dims):
 def test_optimizer_skips_weight_decay_on_norms():
     from meshlm.optimizer import decay_mask
 
-    mask = dict(flat_params(decay_mask(place(CFG, mesh_for("1,1,1,1")).shapes)))
+    mask = dict(flat_params(decay_mask(place(CFG, mesh_for("1,1,1,1"), policy=POLICY).shapes)))
     assert not mask["final_norm/scale"] and not mask["layers/attn_norm/scale"]
     assert mask["layers/mlp/gate"] and mask["embed"]
 
@@ -126,7 +126,10 @@ def test_fsdp_divides_parameter_and_optimizer_memory(runs):
     sharded, placement = _argument_bytes(runs, "1,8,1,1")
     assert sharded <= full / 8 * 1.05, (sharded, full)
     # and the parameters alone really are split 8 ways
-    assert placement.param_bytes_per_device() * 8 == place(CFG, mesh_for("1,1,1,1")).param_bytes_per_device()
+    assert (
+        placement.param_bytes_per_device() * 8
+        == place(CFG, mesh_for("1,1,1,1"), policy=POLICY).param_bytes_per_device()
+    )
 
 
 def test_gradient_accumulation_is_exact(runs):
