@@ -7,9 +7,6 @@ same one-line `UsageError` from every command, before any weights are read or an
 
     job = resolve(TrainConfig(model="tiny", mesh_dim="1,8,1,1"))
     job.placement.init(seed=0)          # parameters laid out on job.mesh by job.strategy
-
-What the model is (`job.model`, a ModelConfig) and how the run runs it (`job.policy`, a RunPolicy:
---dtype, --param_dtype, --remat, --attention and --model.loss_chunk/scan_unroll/max_documents) are apart.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ class Job:
     """What the commands share once the flags are resolved. `mesh` and `placement` are None when the
     job was resolved without building them (`build=False`)."""
 
-    model: ModelConfig
-    policy: RunPolicy  # dtype, param_dtype and remat filled in
+    model: ModelConfig  # what the model is
+    policy: RunPolicy  # how the run runs it: dtype, param_dtype and remat filled in
     shape: MeshShape
     dcn: MeshShape | None  # how the mesh is split across hosts (None: one process)
     pipeline: Any  # meshlm.ops.pipeline.Schedule, or None without --pp
