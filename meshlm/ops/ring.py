@@ -6,8 +6,10 @@ folds the arriving shard into a running online softmax with the blockwise kernel
 `forward_chunk` (`meshlm.ops.attention`); the backward pass (a `custom_vjp`) sends k, v around
 again with dk, dv accumulators. `zigzag_permutation` balances causal work over the devices.
 Memory per device is O(T / sp). `ring_attention` runs on global arrays under `jit`, in a
-`jax.shard_map` with the caller's specs, so batch and heads may be sharded over other axes.
-docs/kernels.md, "RingAttention", explains the ring, its backward, zigzag and its memory.
+`jax.shard_map` with the caller's specs, so batch and heads may be sharded over other axes. With
+`kernel` naming a fused kernel the backend has (splash on TPU) and the token `order` known, each
+step runs that kernel instead (`meshlm.ops.ring_fused`). docs/kernels.md, "RingAttention",
+explains the ring, its backward, zigzag, the fused kernels per chunk and the memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import meshlm.ops.attention as attn
+from meshlm.ops import ring_fused
 
 # --------------------------------------------------------------------------------------------
 # Load balancing for causal attention
@@ -175,6 +178,7 @@ def ring_attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     causal=True, mesh: Mesh, axis_name: str, qkv_spec: PartitionSpec, seq_spec: PartitionSpec,
     block_q: int = 512, block_kv: int = 512, window: int = 0, softcap: float = 0.0, scale: float | None = None,
+    kernel: str = "blockwise", order: str | None = None, interpret: bool = False,
 ):  # fmt: skip
     """Exact attention with the sequence sharded over mesh axis `axis_name` (RingAttention).
 
@@ -189,6 +193,13 @@ def ring_attention(
     `window`, `softcap`, `scale`: as in `meshlm.ops.attention.dot_product_attention`. A step whose
     arriving shard no local query block may attend (from the blocks' position ranges, so zigzag
     halves count apart), e.g. wholly outside the window, skips its compute; its transfer still runs.
+
+    `kernel`: the `--attention` choice (`meshlm.ops.kernel_names.KERNELS`); `auto` or `splash` on a TPU
+    mesh runs splash on every chunk (`meshlm.ops.ring_fused`), which masks by index: `order` must say
+    how tokens lie ("contiguous": shard r holds the r-th 1/sp of the sequence; "zigzag":
+    `zigzag_permutation`), positions must count up along each document (segment ids mark the documents)
+    and chunks be multiples of 128 tokens. Any other call, or kernel, runs the blockwise kernel above.
+    `interpret`: splash in Pallas interpret mode, on any backend (tests).
     """
     attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     qkv_spec, seq_spec = PartitionSpec(*qkv_spec), PartitionSpec(*seq_spec)
@@ -202,6 +213,12 @@ def ring_attention(
     if t % sp or s % sp:
         raise ValueError(f"lengths {t} / {s} are not divisible by {axis_name}={sp}")
     local_t, local_s = t // sp, s // sp
+    if fused_kernel(kernel, _platform(mesh), interpret) and t == s:
+        fused = ring_fused.FusedRing(axis_name, sp, str(order), bool(causal), int(window) if window < t else 0,
+                                     float(softcap), bool(interpret))  # fmt: skip
+        if ring_fused.why_not(order, fused.causal, fused.window, local_t) is None:
+            return _sharded(functools.partial(ring_fused.fused_ring_attention, fused, scale=scale),
+                            q, k, v, None, None, q_segment_ids, kv_segment_ids, mesh, qkv_spec, seq_spec)  # fmt: skip
     ring = _Ring(
         axis_name=axis_name,
         axis_size=sp,
@@ -219,10 +236,30 @@ def ring_attention(
         out = _ring_attention(ring, grouped_q, k, v, q_pos, kv_pos, q_seg, kv_seg)
         return attn.ungroup_queries(out)
 
-    args = [q, k, v, q_positions, kv_positions]
-    specs = [qkv_spec] * 3 + [seq_spec] * 2
-    if q_segment_ids is not None:
-        args += [q_segment_ids, kv_segment_ids]
-        specs += [seq_spec] * 2
-    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec)
+    return _sharded(per_shard, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, mesh, qkv_spec,
+                    seq_spec)  # fmt: skip
+
+
+def _sharded(per_shard, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mesh, qkv_spec, seq_spec):
+    """`per_shard(q, k, v, [q_pos, kv_pos,] [q_seg, kv_seg])` in a shard_map; None positions are left out."""
+    args = [q, k, v] + ([] if q_pos is None else [q_pos, kv_pos]) + ([] if q_seg is None else [q_seg, kv_seg])
+    specs = [qkv_spec] * 3 + [seq_spec] * (len(args) - 3)
+    # Pallas calls declare no varying mesh axes for their outputs: check_vma cannot type them.
+    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
+                            check_vma=q_pos is not None)  # fmt: skip
     return sharded(*args)
+
+
+def fused_kernel(kernel: str, platform: str, interpret: bool = False) -> str | None:
+    """The fused kernel the ring runs per chunk for the `--attention` choice `kernel` on `platform`:
+    "splash" for auto or splash on TPU (or splash in interpret mode anywhere), else None (blockwise).
+    GPU keeps blockwise: docs/kernels.md, "RingAttention", says why."""
+    if kernel == "splash" and (platform == "tpu" or interpret) or (kernel == "auto" and platform == "tpu"):
+        return "splash"
+    return None
+
+
+def _platform(mesh) -> str:
+    """The platform of the mesh's devices (an abstract mesh: where JAX runs)."""
+    devices = getattr(mesh, "devices", None)
+    return devices.flat[0].platform if devices is not None else jax.devices()[0].platform
