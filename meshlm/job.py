@@ -253,6 +253,13 @@ def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
             f"--batch_size={cfg.batch_size} / --grad_accum={cfg.grad_accum} = {cfg.batch_size // cfg.grad_accum} "
             f"rows per micro-batch is not divisible by dp×fsdp = {shape.data}"
         )
+    stage = model.n_layers // (shape.pp * (cfg.virtual_stages or 1))
+    if shape.pp > 1 and stage % model.pattern_period:
+        raise UsageError(
+            f"--pp={shape.pp} --virtual_stages={cfg.virtual_stages or 1}: a stage of {stage} layers is not whole "
+            f"repeats of --model.layer_pattern={model.layer_pattern} ({model.pattern_period} layers); choose them "
+            f"so that n_layers={model.n_layers} / (pp × virtual_stages) is a multiple of {model.pattern_period}"
+        )
 
 
 def check_kernel(model: ModelConfig, seq_len: int) -> None:
