@@ -1,23 +1,14 @@
 """RingAttention with the backend's fused kernel on each arriving chunk (splash on TPU).
 
-The kernels mask by index, so each ring step is planned statically: which local rows attend which
-arriving keys, at what index offset. The ring is unrolled (the step index is a Python int) and the
-per-device choice a step needs is a select on data, never a `lax.cond`:
-
-- contiguous order, causal: step 0 is the causal diagonal; step i > 0 sees keys i chunks behind, in
-  reach of the whole chunk (a sliding window: splash's `LocalMask` at offset i x chunk; steps wholly
-  outside the window are not run, nor is their transfer), or ahead where the ring wrapped (device
-  r < i): computed and given no weight.
-- zigzag order, causal (no window): device r holds halves r and 2sp-1-r. Step 0 is causal over the
-  local shard as a whole; at step i > 0 the late half attends the arriving early half in full, and
-  either the early half attends the arriving early half (r >= i) or the late half the arriving late
-  half (r < i): one call on the selected halves. Every device computes the same work every step.
-- not causal (no window): every step is a full chunk, in any order.
-
-The forward merges each call's (out, lse) into a running (out, lse). The backward (a `custom_vjp`)
-sends k, v around again, each call the kernel's backward on the *global* output and log-sum-exp,
-which is the chunk's exact share of dq, dk, dv; dk, dv accumulators trail their shard one hop behind
-and go home at the end. `meshlm.ops.ring.ring_attention(kernel=...)` dispatches here.
+The kernels mask by index, so each ring step is planned statically (`_plan`): which local rows
+attend which arriving keys, at what index offset (contiguous order: causal on the first step, then
+whole chunks, a sliding window as splash's `LocalMask` at the step's offset; zigzag: the late half
+attends the arriving early half, plus one call on halves selected by whether the ring wrapped). The
+ring is unrolled and every per-device choice is a select on data, never a `lax.cond`. The forward
+merges each call's (out, lse); the backward (a `custom_vjp`) runs the kernel's backward per call with
+the *global* output and log-sum-exp, the chunk's exact share of dq, dk, dv, while dk, dv trail their
+shard one hop behind. `meshlm.ops.ring.ring_attention(kernel=..., order=...)` dispatches here;
+docs/kernels.md, "RingAttention", has the whole story and what stays on the blockwise ring.
 """
 
 from __future__ import annotations
@@ -177,11 +168,13 @@ def _fused_ring_bwd(ring: FusedRing, residuals, dout):
         dk_acc, dv_acc = _send(pending, ring) if i else pending
         k_i, v_i, kv_seg_i = kv
         for c in calls:
-            rows = lambda x, axis=1: _part(x, c.q_part, early, axis)  # noqa: E731
-            keys = lambda x: _part(x, c.kv_part, early, 1)  # noqa: E731
+            rows, keys = (
+                functools.partial(_part, part=c.q_part, early=early),
+                functools.partial(_part, part=c.kv_part, early=early),
+            )
             dq_c, dk_c, dv_c = splash.splash_chunk_backward(
-                rows(q), keys(k_i), keys(v_i), rows(q_seg), keys(kv_seg_i), rows(out), rows(lse, 2), rows(dout),
-                offset=c.offset, cfg=ring.cfg(),
+                rows(q, axis=1), keys(k_i, axis=1), keys(v_i, axis=1), rows(q_seg, axis=1), keys(kv_seg_i, axis=1),
+                rows(out, axis=1), rows(lse, axis=2), rows(dout, axis=1), offset=c.offset, cfg=ring.cfg(),
             )  # fmt: skip
             if c.gated:
                 dq_c, dk_c, dv_c = (jnp.where(early, g, 0.0) for g in (dq_c, dk_c, dv_c))

@@ -156,7 +156,9 @@ def _splash_backward(kernel, q, k, v, segment_ids, out, lse, dout):
     def collapse(info):  # as `impl._splash_attention` does before its custom VJP
         if info is None or info.partial_mask_blocks is None:
             return info
-        return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:]))
+        return info._replace(
+            partial_mask_blocks=info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:])
+        )
 
     kw = kernel.kwargs
     res = (q, k, v, segment_ids, None, out, lse, collapse(kernel.dq_mask_info), collapse(kernel.dkv_mask_info))

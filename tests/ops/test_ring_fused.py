@@ -3,6 +3,7 @@ attention, values and gradients (fp32, atol 1e-5): contiguous and zigzag order, 
 and longer than a chunk, packed documents. On TPU (compiled ahead of time with libtpu) the fused ring
 has no XLA conditional. Other calls keep the blockwise ring."""
 
+import functools
 import os
 import re
 
@@ -40,7 +41,9 @@ def _ring(sp, order, causal, window):
     mesh = jax.make_mesh((sp,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:sp])
     kw = dict(mesh=mesh, axis_name="sp", qkv_spec=SPEC, seq_spec=SPEC, kernel="splash", order=order,
               interpret=True, window=window)  # fmt: skip
-    return jax.jit(lambda q, k, v, dout, pos, seg: value_and_grads(ring_attention, q, k, v, dout, pos, seg, causal, **kw))
+    return jax.jit(
+        lambda q, k, v, dout, pos, seg: value_and_grads(ring_attention, q, k, v, dout, pos, seg, causal, **kw)
+    )
 
 
 @pytest.mark.parametrize(
@@ -97,7 +100,7 @@ def test_served_elsewhere_by_the_blockwise_ring(monkeypatch):
     kw = dict(mesh=mesh, axis_name="sp", qkv_spec=SPEC, seq_spec=SPEC, block_q=64, block_kv=64)
     want = dot_product_attention(q, k, v, q_positions=pos, kv_positions=pos)
     for extra in (dict(), dict(kernel="splash", interpret=True), dict(kernel="auto", order="contiguous")):
-        got = jax.jit(lambda q, k, v: ring_attention(q, k, v, q_positions=pos, kv_positions=pos, **kw, **extra))(q, k, v)
+        got = jax.jit(functools.partial(ring_attention, q_positions=pos, kv_positions=pos, **kw, **extra))(q, k, v)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
@@ -115,7 +118,7 @@ def test_fused_ring_on_tpu_has_no_conditional():
     seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sharding)
     for order, window, calls in (("zigzag", 0, 2 * 7), ("contiguous", 300, 2 * 3)):
 
-        def loss(q, k, v, pos, seg):
+        def loss(q, k, v, pos, seg, order=order, window=window):
             out = ring_attention(
                 q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, mesh=mesh,
                 axis_name="sp", qkv_spec=SPEC, seq_spec=SPEC, kernel="auto", order=order, window=window,
