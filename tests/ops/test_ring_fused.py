@@ -37,10 +37,10 @@ def _inputs(t, packed, seed=0):
     return q, k, v, dout, pos, seg
 
 
-def _ring(sp, order, causal, window):
+def _ring(sp, order, causal, window, scores=()):
     mesh = jax.make_mesh((sp,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:sp])
     kw = dict(mesh=mesh, axis_name="sp", qkv_spec=SPEC, seq_spec=SPEC, kernel="splash", order=order,
-              interpret=True, window=window)  # fmt: skip
+              interpret=True, window=window, **dict(scores))  # fmt: skip
     return jax.jit(
         lambda q, k, v, dout, pos, seg: value_and_grads(ring_attention, q, k, v, dout, pos, seg, causal, **kw)
     )
@@ -52,7 +52,8 @@ def _ring(sp, order, causal, window):
         (2, "contiguous", True, 0, False),
         (2, "zigzag", True, 0, True),
         (4, "contiguous", True, 100, False),  # a window shorter than a chunk of 128: steps 0 and 1 only
-        (4, "contiguous", True, 200, True),  # longer than a chunk: three steps, each a LocalMask offset
+        (4, "contiguous", True, 200, True),  # longer than a chunk: three steps, each a LocalMask offset;
+        # with a soft cap and a scale (Gemma 2's), also in the backward from the global residuals
         (2, "zigzag", False, 0, True),  # not causal: full chunks in any order
     ],
     ids=["contiguous", "zigzag_packed", "window_100", "window_200_packed", "full_packed"],
@@ -63,8 +64,9 @@ def test_splash_ring_equals_dense_attention(sp, order, causal, window, packed):
     q, k, v, dout, pos, seg = _inputs(t, packed)
     perm = zigzag_permutation(t, sp) if order == "zigzag" else np.arange(t)
     args = [x[:, perm] for x in (q, k, v, dout, pos)] + [None if seg is None else seg[:, perm]]
-    got = _ring(sp, order, causal, window)(*args)
-    want = value_and_grads(dot_product_attention, *args, causal, window=window)
+    scores = (("softcap", 2.0), ("scale", 0.3)) if window == 200 else ()
+    got = _ring(sp, order, causal, window, scores)(*args)
+    want = value_and_grads(dot_product_attention, *args, causal, window=window, **dict(scores))
     assert_all_close(got, want)
 
 
