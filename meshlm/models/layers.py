@@ -159,7 +159,7 @@ def attend(q, k, v, positions, segment_ids, kernel: str = "auto", max_documents:
     if ring is not None:
         return ring_attention(
             q, k, v, **kw, **score, mesh=ring.mesh, axis_name=ring.axis_name, qkv_spec=ring.qkv_spec,
-            seq_spec=ring.seq_spec, kernel=kernel, order=getattr(ring, "order", None),
+            seq_spec=ring.seq_spec, kernel=kernel, order=ring.order,
         )  # fmt: skip
     # The mesh the model is traced for says the platform (a TPU topology compiles on a CPU host) and
     # gives the layout the fused kernels run per shard in.
