@@ -12,10 +12,10 @@ from meshlm.axes import LOGICAL_AXES
 from meshlm.errors import UsageError
 from meshlm.mesh import MeshShape, build_mesh
 from meshlm.models.decoder import REMAT_POLICIES
-from meshlm.models.rope import apply_rope, rope_frequencies
 from meshlm.models.hf_config import from_hf_config, to_hf_config
 from meshlm.models.placement import place
 from meshlm.models.presets import PRESETS, resolve_model
+from meshlm.models.rope import apply_rope, rope_frequencies
 
 CFG = resolve_model("test", {"n_kv_heads": "2", "n_layers": "2"}).replace(dtype="float32")
 MESH = None
