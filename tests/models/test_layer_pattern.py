@@ -20,14 +20,25 @@ from tests.support.training import mesh_for
 
 SEQ = 32
 # Gemma 2's numerics on the test shape: (1 + w) norms around attention and MLP, sqrt(d) embeddings, GeGLU,
-# a score scale, both soft-caps, a tied head; windows of 8 positions, far shorter than the sequence.
-GEMMA2 = resolve_model("test", {}).replace(
-    family="gemma2", n_kv_heads=4, head_dim=16, post_norms=True, norm_offset=1.0, embed_scale=True,
+# a score scale, both soft-caps, a tied head; windows of 8 positions, far shorter than the sequence. Three
+# layers of "LG": local, global, local; the scan runs one repeat of the pattern, then a cut-short one.
+CFG = resolve_model("test", {}).replace(
+    family="gemma2", n_layers=3, n_kv_heads=4, head_dim=16, post_norms=True, norm_offset=1.0, embed_scale=True,
     mlp_activation="gelu_tanh", attention_scale=32**-0.5, attn_logit_softcap=50.0, final_logit_softcap=30.0,
     sliding_window=8, layer_pattern="LG", tie_embeddings=True, dtype="float32", init_std=0.1,
 )  # fmt: skip
-# A layer count that is not a multiple of the pattern: the scan's repeat, then a cut-short one.
-CASES = {"gemma2-3-layers": GEMMA2.replace(n_layers=3)}
+TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, SEQ)).astype(np.int32)
+
+
+@functools.cache
+def _weights():
+    return place(CFG, mesh_for("1,1,1,1")).init(seed=0)
+
+
+def _scanned(cfg):
+    """(logits, (keys, values)) of the scanned layer loop on `cfg`, with CFG's weights."""
+    placement = place(cfg, mesh_for("1,1,1,1"))
+    return jax.jit(lambda p, t: placement.apply(p, t, return_kv=True))(_weights(), TOKENS)
 
 
 def _prefill(placement, params, tokens):
@@ -35,53 +46,28 @@ def _prefill(placement, params, tokens):
         return nnx.merge(placement.graphdef, params).prefill(tokens)
 
 
-@functools.cache
-def _outputs(cfg):
-    """(scanned logits, scanned (keys, values), one-by-one logits, keys, values) of seed-0 weights."""
-    placement = place(cfg, mesh_for("1,1,1,1"))
-    params = placement.init(seed=0)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, SEQ)).astype(np.int32)
-    scanned = jax.jit(lambda p, t: placement.apply(p, t, return_kv=True))(params, tokens)
-    unrolled = jax.jit(functools.partial(_prefill, placement))(params, tokens)
-    return scanned, unrolled
+def test_three_layers_of_lg_are_local_global_local():
+    assert CFG.local_layers == (True, False, True) and CFG.pattern_period == 2
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_scanned_pattern_equals_layers_run_one_by_one(case):
-    cfg = CASES[case]
-    assert cfg.n_layers % len(cfg.layer_pattern) and "L" in cfg.layer_pattern and "G" in cfg.layer_pattern
-    (logits, (keys, values)), (want_logits, want_keys, want_values) = _outputs(cfg)
+def test_scanned_pattern_equals_layers_run_one_by_one():
+    logits, (keys, values) = _scanned(CFG)
+    want_logits, want_keys, want_values = jax.jit(functools.partial(_prefill, place(CFG, mesh_for("1,1,1,1"))))(
+        _weights(), TOKENS
+    )
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
-    for i, local in enumerate(cfg.local_layers):
+    for i, local in enumerate(CFG.local_layers):
         np.testing.assert_allclose(keys[i], want_keys[i], rtol=1e-5, atol=1e-6, err_msg=f"layer {i} ({local=})")
         np.testing.assert_allclose(values[i], want_values[i], rtol=1e-5, atol=1e-6, err_msg=f"layer {i} ({local=})")
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_window_changes_these_logits(case):
-    """The comparison above tells the kinds apart: with every layer global the logits move."""
-    cfg = CASES[case]
-    everywhere_global = _outputs(cfg.replace(sliding_window=0, layer_pattern=""))[1][0]
-    assert np.abs(np.asarray(_outputs(cfg)[1][0]) - np.asarray(everywhere_global)).max() > 1e-3
-
-
-def test_three_layers_of_lg_are_local_global_local():
-    assert CASES["gemma2-3-layers"].local_layers == (True, False, True)
-    assert CASES["gemma2-3-layers"].pattern_period == 2
-
-
-REMAT_BASE = GEMMA2.replace(n_layers=2)  # one scan iteration: a local layer, then a global one
-
-
-@functools.cache
-def _weights():
-    return place(REMAT_BASE, mesh_for("1,1,1,1")).init(0)
+    # and the comparison tells the kinds apart: with every layer global the logits move
+    everywhere_global = _scanned(CFG.replace(sliding_window=0, layer_pattern=""))[0]
+    assert np.abs(np.asarray(logits) - np.asarray(everywhere_global)).max() > 1e-3
 
 
 @functools.cache
 def _loss_and_grads(remat: str):
-    placement = place(REMAT_BASE.replace(remat=remat), mesh_for("1,1,1,1"))
-    batch = _batch(REMAT_BASE, seq=SEQ)
+    placement = place(CFG.replace(remat=remat), mesh_for("1,1,1,1"))
+    batch = _batch(CFG, seq=SEQ)
     (loss, _), grads = jax.jit(jax.value_and_grad(lambda p: loss_sums(placement, p, batch), has_aux=True))(_weights())
     return float(loss), grads
 
