@@ -252,14 +252,16 @@ def _sharded(per_shard, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mesh, qkv_spec, s
 
 def fused_kernel(kernel: str, platform: str, interpret: bool = False) -> str | None:
     """The fused kernel the ring runs per chunk for the `--attention` choice `kernel` on `platform`:
-    "splash" for auto or splash on TPU (or splash in interpret mode anywhere), else None (blockwise).
-    GPU keeps blockwise: docs/kernels.md, "RingAttention", says why."""
-    if kernel == "splash" and (platform == "tpu" or interpret) or (kernel == "auto" and platform == "tpu"):
+    "splash" for splash on TPU (or in interpret mode anywhere), else None (blockwise). `auto` keeps the
+    blockwise ring, whose collectives and memory the planner models; GPU keeps blockwise too:
+    docs/kernels.md, "RingAttention", says why."""
+    if kernel == "splash" and (platform == "tpu" or interpret):
         return "splash"
     return None
 
 
 def _platform(mesh) -> str:
-    """The platform of the mesh's devices (an abstract mesh: where JAX runs)."""
-    devices = getattr(mesh, "devices", None)
-    return devices.flat[0].platform if devices is not None else jax.devices()[0].platform
+    """The platform of the mesh's devices (an abstract mesh, which has none: where JAX runs)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.devices()[0].platform
