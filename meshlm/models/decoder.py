@@ -118,8 +118,9 @@ class Decoder(nnx.Module):
             kv = None if not return_kv else (kvs[0] if period == 1 else jax.tree.map(lambda *a: jnp.stack(a), *kvs))
             return x, kv
 
-        head = jax.tree.map(lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:]), stacked)
-        x, kv = jax.lax.scan(group, x, head if period > 1 else stacked, unroll=unroll)
+        if period > 1:  # the whole repeats, [groups, period, ...]
+            repeats = jax.tree.map(lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:]), stacked)
+        x, kv = jax.lax.scan(group, x, repeats if period > 1 else stacked, unroll=unroll)
         if period > 1:  # [groups, period, ...] -> [layers, ...], then the layers after the last whole repeat
             kv = None if kv is None else jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kv)
             tail = []

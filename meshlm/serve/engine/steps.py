@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from meshlm import sharding
+from meshlm.models.layers import cache_positions
 from meshlm.serve.engine.sampling import SlotSampling, sample
 
 
@@ -189,8 +190,7 @@ def _write_prompt(cache, new, slots, lengths):
     P, S = new.shape[1], cache.shape[1]
     if S >= P:
         return cache.at[slots, :P].set(new.astype(cache.dtype), mode="drop")
-    last = (lengths - 1)[:, None]
-    held = last - (last - jnp.arange(S, dtype=jnp.int32)[None, :]) % S  # [Bp, S]; < 0: none yet (left as is)
+    held = cache_positions((lengths - 1)[:, None], S, S, ring=True)  # [Bp, S]; -1: empty, masked when decoding
     ring = jnp.take_along_axis(new, jnp.maximum(held, 0)[:, :, None, None], axis=1)
     return cache.at[slots].set(ring.astype(cache.dtype), mode="drop")
 
