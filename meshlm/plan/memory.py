@@ -88,9 +88,9 @@ PLACES = {
             "accum": 2.06,
             "gradients": 0.21,
             "activations": 2.21,
-            # One ring step's scores: since the blockwise kernel runs each query block over only the key
-            # blocks its position ranges allow (bounded loops, no conditional per block), XLA:TPU keeps one
-            # step's scores live where it kept 4.47 (the v5p 1,2,1,2 compile: 70.9 -> 59.7 MiB).
+            # One ring step's scores: the blockwise kernel runs each query block over only the key blocks
+            # its position ranges allow (bounded loops, no conditional per block), and XLA:TPU keeps one
+            # step's scores live (docs/plan.md, "Accuracy on TPU").
             "scores": 1.0,
             "cast_params": 0.0,
             "pattern": 1.0,
