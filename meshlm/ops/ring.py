@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import meshlm.ops.attention as attn
+from meshlm.backends import profile_for
 from meshlm.ops import ring_fused
 
 # --------------------------------------------------------------------------------------------
@@ -71,6 +72,7 @@ class _Ring(NamedTuple):
     window: int = 0
     softcap: float = 0.0
     scale: float | None = None
+    overlap: bool = True  # the backend profile's `ring_overlap`
 
     def blocks(self) -> dict:
         """The chunk functions' static arguments."""
@@ -86,12 +88,19 @@ def _send_to_next(tree, ring: _Ring):
     return lax.ppermute(tree, ring.axis_name, perm=[(r, (r + 1) % n) for r in range(n)])
 
 
+def _arrived(ring: _Ring, sent, held):
+    """`(sent, held)`, with the transfers in `sent` finished before `held` is computed with unless the
+    ring overlaps them. On XLA:CPU the transfers of a step and its data-dependent block loops, run
+    concurrently, can leave the processes of a multi-process run waiting on each other for ever."""
+    return (sent, held) if ring.overlap else lax.optimization_barrier((sent, held))
+
+
 def _ring_forward(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Forward ring on local shards: -> (out [B,T,KVH,G,D], lse [B,KVH,G,T])."""
 
     def step(_, carry):
         state, kv = carry
-        next_kv = _send_to_next(kv, ring)  # issued before the compute it overlaps with
+        next_kv, kv = _arrived(ring, _send_to_next(kv, ring), kv)  # issued before the compute it may overlap
         k_i, v_i, kv_pos_i, kv_seg_i = kv
         state = attn.forward_chunk(state, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, **ring.blocks())
         return state, next_kv
@@ -128,8 +137,8 @@ def _ring_attention_bwd(ring: _Ring, residuals, dout):
 
     def step(_, carry):
         dq, kv, pending = carry
-        next_kv = _send_to_next(kv, ring)  # both transfers overlap with this step's compute
-        dk_acc, dv_acc = _send_to_next(pending, ring)
+        sent = (_send_to_next(kv, ring), _send_to_next(pending, ring))  # both may overlap this step's compute
+        (next_kv, (dk_acc, dv_acc)), kv = _arrived(ring, sent, kv)
         k_i, v_i, kv_pos_i, kv_seg_i = kv
         dq, dk_acc, dv_acc = attn.backward_chunk(
             (dq, dk_acc, dv_acc), q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, dout, lse, delta,
@@ -228,6 +237,7 @@ def ring_attention(
         window=int(window),
         softcap=float(softcap),
         scale=None if scale is None else float(scale),
+        overlap=profile_for(_platform(mesh)).ring_overlap,
     )
     attn.block_sizes(local_t, local_s, ring.block_q, ring.block_kv)  # raises if they don't fit
 
