@@ -51,7 +51,7 @@ lint: $(LINT_STAMP)
 	$(BIN)/mypy
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -32,6 +32,7 @@ class Profile:
     fence_head_gradient: bool = False  # below float32, the output head's weight gradient behind a barrier
     one_reduction_grad_norm: bool = False  # gradients split over the data axes: their norm in one reduction
     keeps_host_memory: bool = False  # the host allocator keeps a step's freed scratch for the next step
+    ring_overlap: bool = True  # a ring step's transfers overlap its compute (else they finish before it)
 
     def compiler_options(self, *, pipelined: bool = False) -> dict | None:
         """The XLA options a train or eval program compiles with here (None: XLA's defaults)."""
@@ -55,7 +56,12 @@ class Profile:
 
 
 CPU = Profile(
-    "cpu", float32_weight_gradients=True, fence_head_gradient=True, one_reduction_grad_norm=True, keeps_host_memory=True
+    "cpu",
+    float32_weight_gradients=True,
+    fence_head_gradient=True,
+    one_reduction_grad_norm=True,
+    keeps_host_memory=True,
+    ring_overlap=False,
 )
 GPU = Profile("gpu", fused_attention=("cudnn", "triton"), unroll_layers=True)
 TPU = Profile("tpu", fused_attention=("splash",))

@@ -28,6 +28,14 @@ def attended_keys(seq_len: int, window: int = 0, causal: bool = True) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len - 0.5
 
 
+def mean_attended_keys(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """`attended_keys` averaged over the layers: global ones attend half the row, local ones about their
+    window. A pipeline stage holds whole repeats of the local/global pattern (`meshlm.job` checks it),
+    so each stage has the same mean."""
+    kinds = cfg.local_layers
+    return sum(attended_keys(seq_len, cfg.sliding_window if local else 0, causal) for local in kinds) / len(kinds)
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Training FLOPs (forward + backward) per token, the numerator of MFU.
 
@@ -45,7 +53,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -
     if seq_len <= 0:
         raise UsageError(f"seq_len={seq_len} must be a positive integer")
     n = cfg.num_params(include_embedding=False)  # includes the head (tied or not), excludes the lookup table
-    keys = sum(attended_keys(seq_len, cfg.sliding_window if local else 0, causal) for local in cfg.local_layers)
+    keys = mean_attended_keys(cfg, seq_len, causal) * cfg.n_layers
     return float(6 * n + 3 * 2 * 2 * keys * cfg.n_heads * cfg.head_dim)
 
 

@@ -202,15 +202,8 @@ def check_auto_remat(cfg: TrainConfig) -> None:
 
     if cfg.remat != "auto" or "remat" not in cfg.given:
         return
-    other = [
-        f"--{name}={value}"
-        for name, value in (
-            ("strategy", cfg.strategy),
-            ("zero_stage", cfg.zero_stage),
-            ("sharding_rules", cfg.sharding_rules),
-        )
-        if value is not None and value != PLANNED_STRATEGY
-    ]
+    given = {"strategy": cfg.strategy, "zero_stage": cfg.zero_stage, "sharding_rules": cfg.sharding_rules}
+    other = [f"--{name}={value}" for name, value in given.items() if value is not None and value != PLANNED_STRATEGY]
     if other:
         raise UsageError(
             f"--remat=auto with {' '.join(other)}: the memory model that chooses it plans only "
@@ -264,6 +257,13 @@ def check_mesh(cfg: TrainConfig, shape: MeshShape, model: ModelConfig) -> None:
         raise UsageError(
             f"--batch_size={cfg.batch_size} / --grad_accum={cfg.grad_accum} = {cfg.batch_size // cfg.grad_accum} "
             f"rows per micro-batch is not divisible by dp×fsdp = {shape.data}"
+        )
+    stage = model.n_layers // (shape.pp * (cfg.virtual_stages or 1))
+    if shape.pp > 1 and stage % model.pattern_period:
+        raise UsageError(
+            f"--pp={shape.pp} --virtual_stages={cfg.virtual_stages or 1}: a stage of {stage} layers is not whole "
+            f"repeats of --model.layer_pattern={model.layer_pattern} ({model.pattern_period} layers); choose them "
+            f"so that n_layers={model.n_layers} / (pp × virtual_stages) is a multiple of {model.pattern_period}"
         )
 
 

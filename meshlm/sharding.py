@@ -343,6 +343,7 @@ class RingSpec:
     size: int
     qkv_spec: P  # [batch, length, heads, head_dim]
     seq_spec: P  # [batch, length]
+    order: str | None = None  # the tokens' order over the ring ("zigzag", "contiguous"); None: not known
 
 
 def data_parallel_size(mesh: Mesh, strategy: Strategy) -> int:
@@ -379,7 +380,23 @@ def ring_spec() -> RingSpec | None:
         size=active.mesh.shape[axes[0]],
         qkv_spec=logical_to_spec(QUERIES, table, active.mesh),
         seq_spec=logical_to_spec(TOKENS, table, active.mesh),
+        order=_TOKEN_ORDER.get(),
     )
+
+
+_TOKEN_ORDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshlm_token_order", default=None)
+
+
+@contextlib.contextmanager
+def token_order(order: str | None):
+    """Within this block (while tracing), a split sequence's tokens lie in this order over the ring:
+    "zigzag" (training and evaluation permute their batches so), "contiguous" (serving), or None (not
+    known: RingAttention then runs the kernel that masks by position, whatever the order)."""
+    token = _TOKEN_ORDER.set(order)
+    try:
+        yield
+    finally:
+        _TOKEN_ORDER.reset(token)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,11 @@ IN_LAYERS = {
     "reduce_sum": "norm / attention sums",
     "reduce_max": "attention softmax",
     "convert_element_type": "weights cast to the compute dtype",
+    # A loop over repeats of a local/global layer pattern takes each layer's weights from the repeat's.
+    "squeeze": "weights of one layer of the pattern",
 }
 OUTSIDE = {
+    "transpose": "lm_head (the tied embedding table)",
     "dot_general": "lm_head",
     "mul": "final norm scale",
     "gather": "embed lookup",

@@ -137,6 +137,11 @@ class ModelConfig:
         pattern = self.layer_pattern or "L"
         return tuple(pattern[i % len(pattern)] == "L" for i in range(self.n_layers))
 
+    def cache_lengths(self, context: int) -> tuple[int, ...]:
+        """Per layer, the KV cache slots decoding `context` positions needs: a local layer keeps only its
+        window (a ring of `sliding_window` slots), a global layer every position."""
+        return tuple(min(context, self.sliding_window) if local else context for local in self.local_layers)
+
     @property
     def pattern_period(self) -> int:
         """The length of the repeating local/global unit (1 when every layer is alike)."""

@@ -21,7 +21,7 @@ from meshlm import axes, sharding
 from meshlm.backends import traced_profile
 from meshlm.errors import UsageError
 from meshlm.models.configs import ModelConfig
-from meshlm.models.layers import Block, LayerCache, RMSNorm, embed_scale, param, rms_norm
+from meshlm.models.layers import Block, LayerCache, RMSNorm, cache_positions, embed_scale, param, rms_norm
 from meshlm.models.loss import head_loss_sums, project, soft_cap
 from meshlm.models.policy import RunPolicy
 from meshlm.models.remat import POLICIES as REMAT_NAMES
@@ -120,8 +120,9 @@ class Decoder(nnx.Module):
             kv = None if not return_kv else (kvs[0] if period == 1 else jax.tree.map(lambda *a: jnp.stack(a), *kvs))
             return x, kv
 
-        head = jax.tree.map(lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:]), stacked)
-        x, kv = jax.lax.scan(group, x, head if period > 1 else stacked, unroll=unroll)
+        if period > 1:  # the whole repeats, [groups, period, ...]
+            repeats = jax.tree.map(lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:]), stacked)
+        x, kv = jax.lax.scan(group, x, repeats if period > 1 else stacked, unroll=unroll)
         if period > 1:  # [groups, period, ...] -> [layers, ...], then the layers after the last whole repeat
             kv = None if kv is None else jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kv)
             tail = []
@@ -176,21 +177,20 @@ class Decoder(nnx.Module):
 
     def decode(self, tokens, positions, cache_k, cache_v, layers=None, length: int | None = None):
         """One step with a KV cache: tokens and positions [b, T] (usually T = 1) for the cache's first b
-        rows, caches are tuples of L arrays [B, S, K, D]. Returns (logits [b, T, V], new cache_k, new
-        cache_v). Attention reads only the first `length` slots of each row (all when None): every
-        position written so far must lie below it.
+        rows, caches are tuples of L arrays [B, S, K, D] (a local layer's S may be its window: a ring,
+        `LayerCache`). Returns (logits [b, T, V], new cache_k, new cache_v). Attention reads only the
+        first `length` slots of each row (all when None): every position written so far must lie below it.
 
         The layers run unrolled so that each layer's cache is its own buffer, updated in place.
         `layers` (see `blocks`) gives each layer's weights as their own buffers too."""
         x, positions = self.embed_tokens(tokens, positions)
-        S = cache_k[0].shape[1] if length is None else length
-        slots = jnp.arange(S, dtype=jnp.int32)
         newest = jnp.max(positions, axis=1, keepdims=True)
-        kv_positions = jnp.where(slots[None, :] <= newest, slots[None, :], -1)
         new_k, new_v = [], []
-        for i, block in enumerate(self.blocks(layers)):
-            cache = LayerCache(cache_k[i], cache_v[i], kv_positions)
-            x, (k, v) = block(x, positions, None, cache, local=self.cfg.local_layers[i])
+        for i, (block, local) in enumerate(zip(self.blocks(layers), self.cfg.local_layers)):
+            size = cache_k[i].shape[1]
+            read = size if length is None else min(length, size)
+            cache = LayerCache(cache_k[i], cache_v[i], cache_positions(newest, size, read, local), local)
+            x, (k, v) = block(x, positions, None, cache, local=local)
             new_k.append(k)
             new_v.append(v)
         return self.head(x), tuple(new_k), tuple(new_v)

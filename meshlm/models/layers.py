@@ -61,25 +61,39 @@ class RMSNorm(nnx.Module):
 
 
 class LayerCache(NamedTuple):
-    """One layer's KV cache while decoding: slot s of row b holds the token at position s.
+    """One layer's KV cache while decoding. A global layer's slot s holds the token at position s; a local
+    layer's cache is a ring of at least its window's slots, the token at position p in slot p mod S.
 
     k, v          [B, S, K, D]  laid out as (batch, cache_length, kv_heads, head_dim)
-    kv_positions  [b, L] int32  s where slot s is filled (s <= the row's newest position), else -1;
-                                the step runs the cache's first b rows and attends their first L slots
+    kv_positions  [b, L] int32  the position each of the first L slots holds (-1: none yet); the step
+                                runs the cache's first b rows and attends their first L slots
+    ring          whether slots wrap (a local layer's); one new token per row and step then
     """
 
     k: jax.Array
     v: jax.Array
     kv_positions: jax.Array
+    ring: bool = False
 
     def write(self, k_new, v_new, positions):
         """Store the new tokens' keys and values [b, T, K, D] of the first b rows at their positions [b, T]
         (in place when donated)."""
         rows = jnp.arange(k_new.shape[0])[:, None]
-        slots = jnp.minimum(positions, self.k.shape[1] - 1)
+        size = self.k.shape[1]
+        if self.ring and k_new.shape[1] > 1:
+            raise ValueError(f"a ring cache takes one new token per row and step, not {k_new.shape[1]}")
+        slots = positions % size if self.ring else jnp.minimum(positions, size - 1)
         k = self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="promise_in_bounds")
         v = self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="promise_in_bounds")
         return sharding.constrain(k, axes.KV_CACHE), sharding.constrain(v, axes.KV_CACHE)
+
+
+def cache_positions(newest: jax.Array, size: int, read: int, ring: bool) -> jax.Array:
+    """[b, read] the position each of the first `read` slots of a cache of `size` slots holds once the
+    row's newest position [b, 1] is written (-1: empty)."""
+    slots = jnp.arange(read, dtype=jnp.int32)[None, :]
+    held = newest - (newest - slots) % size if ring else slots
+    return jnp.where((held >= 0) & (held <= newest), held, -1)
 
 
 class Attention(nnx.Module):
@@ -161,7 +175,7 @@ def attend(q, k, v, positions, segment_ids, kernel: str = "auto", max_documents:
     if ring is not None:
         return ring_attention(
             q, k, v, **kw, **score, mesh=ring.mesh, axis_name=ring.axis_name, qkv_spec=ring.qkv_spec,
-            seq_spec=ring.seq_spec,
+            seq_spec=ring.seq_spec, kernel=kernel, order=ring.order,
         )  # fmt: skip
     # The mesh the model is traced for says the platform (a TPU topology compiles on a CPU host) and
     # gives the layout the fused kernels run per shard in.
@@ -225,4 +239,15 @@ def embed_scale(cfg: ModelConfig) -> float:
     return math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0
 
 
-__all__ = ["Attention", "Block", "LayerCache", "MLP", "RMSNorm", "attend", "embed_scale", "param", "rms_norm"]
+__all__ = [
+    "Attention",
+    "Block",
+    "LayerCache",
+    "cache_positions",
+    "MLP",
+    "RMSNorm",
+    "attend",
+    "embed_scale",
+    "param",
+    "rms_norm",
+]

@@ -6,8 +6,10 @@ folds the arriving shard into a running online softmax with the blockwise kernel
 `forward_chunk` (`meshlm.ops.attention`); the backward pass (a `custom_vjp`) sends k, v around
 again with dk, dv accumulators. `zigzag_permutation` balances causal work over the devices.
 Memory per device is O(T / sp). `ring_attention` runs on global arrays under `jit`, in a
-`jax.shard_map` with the caller's specs, so batch and heads may be sharded over other axes.
-docs/kernels.md, "RingAttention", explains the ring, its backward, zigzag and its memory.
+`jax.shard_map` with the caller's specs, so batch and heads may be sharded over other axes. With
+`kernel` naming a fused kernel the backend has (splash on TPU) and the token `order` known, each
+step runs that kernel instead (`meshlm.ops.ring_fused`). docs/kernels.md, "RingAttention",
+explains the ring, its backward, zigzag, the fused kernels per chunk and the memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import meshlm.ops.attention as attn
+from meshlm.backends import profile_for
+from meshlm.ops import ring_fused
 
 # --------------------------------------------------------------------------------------------
 # Load balancing for causal attention
@@ -68,6 +72,7 @@ class _Ring(NamedTuple):
     window: int = 0
     softcap: float = 0.0
     scale: float | None = None
+    overlap: bool = True  # the backend profile's `ring_overlap`
 
     def blocks(self) -> dict:
         """The chunk functions' static arguments."""
@@ -83,12 +88,19 @@ def _send_to_next(tree, ring: _Ring):
     return lax.ppermute(tree, ring.axis_name, perm=[(r, (r + 1) % n) for r in range(n)])
 
 
+def _arrived(ring: _Ring, sent, held):
+    """`(sent, held)`, with the transfers in `sent` finished before `held` is computed with unless the
+    ring overlaps them. On XLA:CPU the transfers of a step and its data-dependent block loops, run
+    concurrently, can leave the processes of a multi-process run waiting on each other for ever."""
+    return (sent, held) if ring.overlap else lax.optimization_barrier((sent, held))
+
+
 def _ring_forward(ring: _Ring, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Forward ring on local shards: -> (out [B,T,KVH,G,D], lse [B,KVH,G,T])."""
 
     def step(_, carry):
         state, kv = carry
-        next_kv = _send_to_next(kv, ring)  # issued before the compute it overlaps with
+        next_kv, kv = _arrived(ring, _send_to_next(kv, ring), kv)  # issued before the compute it may overlap
         k_i, v_i, kv_pos_i, kv_seg_i = kv
         state = attn.forward_chunk(state, q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, **ring.blocks())
         return state, next_kv
@@ -125,8 +137,8 @@ def _ring_attention_bwd(ring: _Ring, residuals, dout):
 
     def step(_, carry):
         dq, kv, pending = carry
-        next_kv = _send_to_next(kv, ring)  # both transfers overlap with this step's compute
-        dk_acc, dv_acc = _send_to_next(pending, ring)
+        sent = (_send_to_next(kv, ring), _send_to_next(pending, ring))  # both may overlap this step's compute
+        (next_kv, (dk_acc, dv_acc)), kv = _arrived(ring, sent, kv)
         k_i, v_i, kv_pos_i, kv_seg_i = kv
         dq, dk_acc, dv_acc = attn.backward_chunk(
             (dq, dk_acc, dv_acc), q, k_i, v_i, q_pos, kv_pos_i, q_seg, kv_seg_i, dout, lse, delta,
@@ -175,6 +187,7 @@ def ring_attention(
     q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     causal=True, mesh: Mesh, axis_name: str, qkv_spec: PartitionSpec, seq_spec: PartitionSpec,
     block_q: int = 512, block_kv: int = 512, window: int = 0, softcap: float = 0.0, scale: float | None = None,
+    kernel: str = "blockwise", order: str | None = None, interpret: bool = False,
 ):  # fmt: skip
     """Exact attention with the sequence sharded over mesh axis `axis_name` (RingAttention).
 
@@ -189,6 +202,13 @@ def ring_attention(
     `window`, `softcap`, `scale`: as in `meshlm.ops.attention.dot_product_attention`. A step whose
     arriving shard no local query block may attend (from the blocks' position ranges, so zigzag
     halves count apart), e.g. wholly outside the window, skips its compute; its transfer still runs.
+
+    `kernel`: the `--attention` choice (`meshlm.ops.kernel_names.KERNELS`); `auto` or `splash` on a TPU
+    mesh runs splash on every chunk (`meshlm.ops.ring_fused`), which masks by index: `order` must say
+    how tokens lie ("contiguous": shard r holds the r-th 1/sp of the sequence; "zigzag":
+    `zigzag_permutation`), positions must count up along each document (segment ids mark the documents)
+    and chunks be multiples of 128 tokens. Any other call, or kernel, runs the blockwise kernel above.
+    `interpret`: splash in Pallas interpret mode, on any backend (tests).
     """
     attn.check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     qkv_spec, seq_spec = PartitionSpec(*qkv_spec), PartitionSpec(*seq_spec)
@@ -202,6 +222,12 @@ def ring_attention(
     if t % sp or s % sp:
         raise ValueError(f"lengths {t} / {s} are not divisible by {axis_name}={sp}")
     local_t, local_s = t // sp, s // sp
+    if fused_kernel(kernel, _platform(mesh), interpret) and t == s:
+        fused = ring_fused.FusedRing(axis_name, sp, str(order), bool(causal), int(window) if window < t else 0,
+                                     float(softcap), bool(interpret))  # fmt: skip
+        if ring_fused.why_not(order, fused.causal, fused.window, local_t) is None:
+            return _sharded(functools.partial(ring_fused.fused_ring_attention, fused, scale=scale),
+                            q, k, v, None, None, q_segment_ids, kv_segment_ids, mesh, qkv_spec, seq_spec)  # fmt: skip
     ring = _Ring(
         axis_name=axis_name,
         axis_size=sp,
@@ -211,6 +237,7 @@ def ring_attention(
         window=int(window),
         softcap=float(softcap),
         scale=None if scale is None else float(scale),
+        overlap=profile_for(_platform(mesh)).ring_overlap,
     )
     attn.block_sizes(local_t, local_s, ring.block_q, ring.block_kv)  # raises if they don't fit
 
@@ -219,10 +246,32 @@ def ring_attention(
         out = _ring_attention(ring, grouped_q, k, v, q_pos, kv_pos, q_seg, kv_seg)
         return attn.ungroup_queries(out)
 
-    args = [q, k, v, q_positions, kv_positions]
-    specs = [qkv_spec] * 3 + [seq_spec] * 2
-    if q_segment_ids is not None:
-        args += [q_segment_ids, kv_segment_ids]
-        specs += [seq_spec] * 2
-    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec)
+    return _sharded(per_shard, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, mesh, qkv_spec,
+                    seq_spec)  # fmt: skip
+
+
+def _sharded(per_shard, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mesh, qkv_spec, seq_spec):
+    """`per_shard(q, k, v, [q_pos, kv_pos,] [q_seg, kv_seg])` in a shard_map; None positions are left out."""
+    args = [q, k, v] + ([] if q_pos is None else [q_pos, kv_pos]) + ([] if q_seg is None else [q_seg, kv_seg])
+    specs = [qkv_spec] * 3 + [seq_spec] * (len(args) - 3)
+    # Pallas calls declare no varying mesh axes for their outputs: check_vma cannot type them.
+    sharded = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
+                            check_vma=q_pos is not None)  # fmt: skip
     return sharded(*args)
+
+
+def fused_kernel(kernel: str, platform: str, interpret: bool = False) -> str | None:
+    """The fused kernel the ring runs per chunk for the `--attention` choice `kernel` on `platform`:
+    "splash" for splash on TPU (or in interpret mode anywhere), else None (blockwise). `auto` keeps the
+    blockwise ring, whose collectives and memory the planner models; GPU keeps blockwise too:
+    docs/kernels.md, "RingAttention", says why."""
+    if kernel == "splash" and (platform == "tpu" or interpret):
+        return "splash"
+    return None
+
+
+def _platform(mesh) -> str:
+    """The platform of the mesh's devices (an abstract mesh, which has none: where JAX runs)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.devices()[0].platform

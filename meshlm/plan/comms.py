@@ -99,13 +99,15 @@ def _layer_weights_and_norms(add, job: Job, loc: Local, backend: str) -> None:
             add("all-reduce", ("dp",), w * r / ways, L * A, op, "dp: all-reduce gradient shards")
         else:
             add("all-reduce", ("dp",), w * r, L * A, op, "dp: all-reduce weight gradients")
-    # Norm scales: gathered like weights, gradients are sums over tokens.
-    add("all-gather", F, 2 * E * p, 2 * L * A, "norms", "fsdp: gather norm scales")
+    # Norm scales (and the [embed] biases): gathered like weights, gradients are sums over tokens; the
+    # small weights without an embed axis (q/k/v biases, q/k norm scales) are whole on every data rank.
+    add("all-gather", F, loc.embed_vectors * E * p, 2 * L * A, "norms", "fsdp: gather norm scales")
     add("all-gather", F, E * p, 2, "norms", "fsdp: gather the final norm scale")
+    summed = ((loc.embed_vectors * L + 1) * E + L * loc.w_small) * p
     # XLA:TPU sums over the batch axes and sp in one all-reduce, XLA:CPU in two.
     token_axes = ((*batch_axes, "sp"),) if backend == "tpu" else (batch_axes, ("sp",))
     for axes in token_axes:
-        add("all-reduce", axes, (2 * L + 1) * E * p, A, "norms", "sum norm-scale gradients over tokens")
+        add("all-reduce", axes, summed, A, "norms", "sum norm-scale and bias gradients over tokens")
 
 
 def _embedding_and_head(add, job: Job, loc: Local, backend: str) -> None:
@@ -123,20 +125,20 @@ def _embedding_and_head(add, job: Job, loc: Local, backend: str) -> None:
     for axis in F:
         add("all-to-all", (axis,), n * E * a, 2 * A, "embed", "fsdp: looked-up rows to their devices (and back)", False)
     add("all-reduce", ("dp",), loc.w_table * r / ways, A, "embed", "dp: sum embedding-table gradients over tokens")
-    if not cfg.tie_embeddings:
-        add(
-            "all-gather",
-            F,
-            loc.w_table * g,
-            2 if sizes["tp"] > 1 and backend != "tpu" else 1,
-            "lm_head",
-            "fsdp: gather the output head",
-        )
-        if ways > 1:
-            add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
-            add("all-reduce", ("dp",), table / ways, A, "lm_head", "dp: all-reduce gradient shards")
-        else:
-            add("all-reduce", ("dp",), table, A, "lm_head", "dp: all-reduce head gradients")
+    # The head (with tied embeddings the table itself, which the lookup does not gather) is gathered whole.
+    add(
+        "all-gather",
+        F,
+        loc.w_table * g,
+        2 if sizes["tp"] > 1 and backend != "tpu" else 1,
+        "lm_head",
+        "fsdp: gather the output head",
+    )
+    if ways > 1:
+        add("reduce-scatter", F, table, A, "lm_head", "fsdp: reduce-scatter head gradients")
+        add("all-reduce", ("dp",), table / ways, A, "lm_head", "dp: all-reduce gradient shards")
+    else:
+        add("all-reduce", ("dp",), table, A, "lm_head", "dp: all-reduce head gradients")
     add("all-reduce", ("tp",), n * E * a, A, "lm_head", "tp: input gradient of the vocab-parallel head", False)
     add("all-reduce", ("tp",), 3 * n * 4, A, "loss", "tp: softmax max, sum and target logit over vocab shards", False)
 

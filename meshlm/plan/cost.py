@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm import sharding
-from meshlm.flops import model_flops_per_token
+from meshlm.flops import mean_attended_keys, model_flops_per_token
 from meshlm.mesh import MeshShape
 from meshlm.plan import comms
 from meshlm.plan.hardware import Hardware
@@ -79,12 +79,12 @@ class Operator:
 
 
 def matmul_flops(loc: Local) -> dict[str, float]:
-    """Forward FLOPs per device per micro-batch of each operator group (2 per multiply-add)."""
+    """Forward FLOPs per device per micro-batch of each operator group (2 per multiply-add); attention's
+    counts the keys each query attends (`mean_attended_keys`: local layers only their window)."""
     n, c = loc.tokens, loc.cfg
-    causal_span = loc.job.seq_len / 2  # each query attends on average to half the sequence
     return {
         "attn.qkv": 2 * n * loc.w_qkv,
-        "attention": 2 * 2 * n * causal_span * loc.heads * c.head_dim,
+        "attention": 2 * 2 * n * mean_attended_keys(c, loc.job.seq_len) * loc.heads * c.head_dim,
         "attn.out": 2 * n * loc.w_out,
         "mlp.in": 2 * n * loc.w_mlp_in,
         "mlp.down": 2 * n * loc.w_mlp_out,

@@ -118,13 +118,15 @@ def misfit(
 
 def serving_bytes(model, dtype: str, shape: MeshShape, max_batch: int, context: int) -> tuple[float, float]:
     """(weights, KV cache) bytes per device of a serving engine: the weights in the compute `dtype` split
-    over tp and fsdp×sp, the cache's keys and values over the data axes, the kv heads on tp and sp."""
+    over tp and fsdp×sp, the cache's keys and values over the data axes, the kv heads on tp and sp; a
+    local layer's cache holds its window."""
     import jax.numpy as jnp
 
     size = jnp.dtype(dtype).itemsize
     weights = model.num_params() * size / (shape.tp * shape.fsdp * shape.sp)
     kv_ways = shape.data * min(shape.tp, model.n_kv_heads) * shape.sp
-    cache = 2 * model.n_layers * max_batch * context * model.n_kv_heads * model.head_dim * size / kv_ways
+    slots = sum(model.cache_lengths(context))  # local layers keep only their window
+    cache = 2 * slots * max_batch * model.n_kv_heads * model.head_dim * size / kv_ways
     return weights, cache
 
 

@@ -205,6 +205,24 @@ class Local:
         return self.cfg.mlp_dim * self.cfg.d_model // self.shape.tp
 
     @property
+    def embed_vectors(self) -> int:
+        """[embed] weights of one layer, sharded like its norm scales: two norms, the post-norms, the
+        attention output's and the MLP down projection's biases."""
+        c = self.cfg
+        return 2 + 2 * c.post_norms + c.out_bias + c.mlp_bias
+
+    @property
+    def w_small(self) -> int:
+        """Elements of one layer's small weights without an embed axis, in this device's tp shard and whole
+        on every data rank: q/k/v biases, q/k norm scales, the MLP's gate and up biases."""
+        c = self.cfg
+        return (
+            (self.heads + 2 * self.kv_heads) * c.head_dim * c.qkv_bias
+            + 2 * c.head_dim * c.qk_norm
+            + (2 * self.mlp * c.mlp_bias)
+        )
+
+    @property
     def w_layer(self) -> int:
         return self.w_qkv + self.w_out + self.w_mlp_in + self.w_mlp_out
 

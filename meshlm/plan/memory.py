@@ -36,6 +36,7 @@ GPUS = [CATALOG[name] for name in GPU_NAMES]
 #   gradients   the gradients (1.0: all of them live)
 #   activations the saved activations (1.0: all of them live)
 #   scores      with sp: one ring step's float32 attention scores [rows, Hl, T/sp, T/sp]
+#   pattern     with a local/global layer pattern, its other layers' working set and weights (`PATTERN_LAYER`)
 #   cast_params this device's parameters (its fsdp shard) in the compute dtype: XLA:TPU casts all of them
 #               once, before the layer loop, and gathers the cast shard inside it
 # XLA:TPU ("tpu", every TPU generation): both places are fitted by `python bench/plan_tpu.py --fit` to 25
@@ -55,6 +56,7 @@ PLACES = {
             "accum": 2.23,
             "gradients": 1.10,
             "activations": 0.51,
+            "pattern": 1.0,
         },
         "backward": {
             "logits": 1.53,
@@ -64,6 +66,7 @@ PLACES = {
             "accum": 2.06,
             "gradients": 0.39,
             "activations": 1.10,
+            "pattern": 1.0,
         },
     },
     "tpu": {
@@ -75,6 +78,7 @@ PLACES = {
             "gradients": 0.90,
             "activations": 0.51,
             "cast_params": 1.0,
+            "pattern": 1.0,
         },
         "backward": {
             "logits": 0.56,
@@ -84,8 +88,12 @@ PLACES = {
             "accum": 2.06,
             "gradients": 0.21,
             "activations": 2.21,
-            "scores": 4.47,
+            # One ring step's scores: the blockwise kernel runs each query block over only the key blocks
+            # its position ranges allow (bounded loops, no conditional per block), and XLA:TPU keeps one
+            # step's scores live (docs/plan.md, "Accuracy on TPU").
+            "scores": 1.0,
             "cast_params": 0.0,
+            "pattern": 1.0,
         },
     },
 }
@@ -172,6 +180,13 @@ def onchip_bytes(compiler: str) -> int:
     return int(CATALOG[compiler].onchip_bytes) if compiler in CATALOG else 0
 
 
+# A layer loop over repeats of a local/global pattern of P layers (`ModelConfig.pattern_period`) keeps
+# P - 1 more layers' working set and gathered weights (the `pattern` term of every place), at the
+# coefficients the `layer` and `weights` terms have in XLA:CPU's forward and backward places: a
+# gemma-like test model (pattern LG, 2,2,2,1) compiles 1.38 MB over its all-local twin, 1.09 x layer +
+# 3.28 x weights predicts 1.38 MB.
+PATTERN_LAYER, PATTERN_WEIGHTS = 1.09, 3.28
+
 BATCH_FIELDS = 5  # inputs, targets, positions, segment_ids, loss_mask: 4 bytes per token each
 
 
@@ -186,8 +201,9 @@ def saved_per_token_layer(loc: Local, remat: str) -> int:
     if remat in ("save_qkv_attn", "save_attn"):
         lse = 0 if loc.attention == "dense" else Hl * 4 // loc.job.act_bytes  # float32, in activation elements
         return (2 if remat == "save_attn" else 1) * E + 2 * Hl * D + 2 * Kl * D + lse
-    scores = 2 * Hl * loc.job.seq_len + 3 * Hl if loc.attention == "dense" else 0
-    return 6 * E + 6 * Ml + 2 * Hl * D + 2 * Kl * D + scores + 4
+    scores = (2 + bool(c.attn_logit_softcap)) * Hl * loc.job.seq_len + 3 * Hl if loc.attention == "dense" else 0
+    families = 4 * E * c.post_norms + 2 * (Hl + Kl) * D * c.qk_norm  # post-norms' and q/k norms' inputs, outputs
+    return 6 * E + 6 * Ml + 2 * Hl * D + 2 * Kl * D + scores + 4 + families
 
 
 @dataclass(frozen=True)
@@ -254,6 +270,11 @@ def terms(job: Job, shape: MeshShape) -> tuple[dict[str, int], dict[str, int]]:
         * loc.w_layer
         // (cfg.n_layers * loc.w_layer + loc.w_table * (1 if cfg.tie_embeddings else 2)),
     }
+    # One iteration of the layer loop runs a repeat of the local/global pattern: its other layers' working
+    # set and gathered weights are live beside the first's, in either place.
+    sizes["pattern"] = int(
+        (cfg.pattern_period - 1) * (PATTERN_LAYER * sizes["layer"] + PATTERN_WEIGHTS * sizes["weights"])
+    )
     return exact, sizes
 
 

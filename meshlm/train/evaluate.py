@@ -24,7 +24,7 @@ import numpy as np
 
 from meshlm import sharding
 from meshlm.models.placement import Placement
-from meshlm.train.step import BATCH_KEYS, loss_sums, program_options, put_batch
+from meshlm.train.step import BATCH_KEYS, loss_sums, program_options, put_batch, ring_order
 
 
 def make_eval_step(placement: Placement) -> Callable:
@@ -32,7 +32,8 @@ def make_eval_step(placement: Placement) -> Callable:
     train step's parameter and batch shardings."""
 
     def eval_step(params, batch, totals):
-        nll, count = loss_sums(placement, params, batch)
+        with sharding.token_order(ring_order(placement)):  # batches laid out by `put_batch` with the permutation
+            nll, count = loss_sums(placement, params, batch)
         return totals[0] + nll.astype(jnp.float32), totals[1] + count.astype(jnp.float32)
 
     rows = sharding.batch_sharding(placement.mesh, placement.strategy)

@@ -125,7 +125,8 @@ def make_train_step(
     With `pipeline`, the mesh has a pp axis and the layers run as pipeline stages over microbatches
     (`meshlm.models.pipelined`); the update is the same. `trainable`: which parameters train. The
     program compiles with its backend profile's options (`program_options`), and `compiler_options`
-    on top of them."""
+    on top of them. With the sequence split over a ring, batches must come from `put_batch` with
+    `sequence_permutation` (zigzag order): the fused RingAttention kernels mask by that order."""
     trainable = trained_by(placement, trainable)
     mean_loss_grads = make_loss_grads(placement, grad_accum, pipeline, trainable)
     update = optax.with_extra_args_support(optimizer).update
@@ -142,7 +143,8 @@ def make_train_step(
 
     def step(state: TrainState, batch: dict):
         trained, frozen = trainable.split(state.params)
-        nll, count, grads = mean_loss_grads(trained, batch, frozen)
+        with sharding.token_order(ring_order(placement)):  # `put_batch` lays a split sequence out so
+            nll, count, grads = mean_loss_grads(trained, batch, frozen)
         grad_norm = norm_of(grads)  # once, for the clip and the metric
         updates, opt_state = update(grads, state.opt_state, trained, grad_norm=grad_norm)
         trained = optax.apply_updates(trained, updates)
@@ -205,6 +207,12 @@ def make_loss_grads(
         return nll, count, jax.tree.map(lambda g: g / tokens, grads)
 
     return mean_loss_grads
+
+
+def ring_order(placement: Placement) -> str | None:
+    """The order of a split sequence's tokens in the batches `put_batch` lays out with
+    `sequence_permutation`: "zigzag" when the sequence is split over a ring, else None."""
+    return "zigzag" if sharding.sequence_parallel_size(placement.mesh, placement.strategy) > 1 else None
 
 
 def sequence_permutation(placement: Placement, seq_len: int) -> np.ndarray | None:

@@ -10,6 +10,7 @@ Skips, saying why, without the `libtpu` package (`pip install -e .[tpu]`). The l
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,12 @@ import pytest
 # Several processes may hold libtpu at once here (it only compiles): skip its one-process lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 V5P_HBM = 95 * 2**30  # bytes of HBM per v5p chip
+# Gemma 2's layer on the tiny shape: a local layer (window 128) then a global one, soft-capped scores and logits.
+GEMMA2_LIKE = dict(
+    n_layers=2, n_kv_heads=2, sliding_window=128, layer_pattern="LG", attn_logit_softcap=50.0, final_logit_softcap=30.0,
+    attention_scale=0.1, post_norms=True, norm_offset=1.0, embed_scale=True, mlp_activation="gelu_tanh",
+    tie_embeddings=True,
+)  # fmt: skip
 
 
 def compile_for_v5p(model: str, batch: int, seq: int, **overrides):
@@ -48,6 +55,16 @@ def test_train_step_compiles_for_tpu_v5p_with_splash_attention():
     mem = compiled.memory_analysis()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     assert 0 < mem.temp_size_in_bytes and 0 < peak < V5P_HBM
+
+
+def test_local_and_global_layers_compile_for_tpu_v5p_with_splash():
+    """Both kinds of layer run splash (the local one with its window mask and the soft cap): one backward
+    kernel each, no blockwise fallback (an XLA conditional) for either."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e .[tpu]): no TPU compile")
+    compiled, hlo, _ = compile_for_v5p("tiny", batch=4, seq=512, **GEMMA2_LIKE)
+    assert len(re.findall(r"%splash_mha_dkv\w*\.\d+ = ", hlo)) == 2
+    assert "conditional" not in hlo
+    assert 0 < compiled.memory_analysis().temp_size_in_bytes < V5P_HBM
 
 
 def main() -> None:

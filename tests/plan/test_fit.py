@@ -185,3 +185,18 @@ def test_serving_that_cannot_fit_is_refused_naming_a_shorter_context(small_host)
     joblib.resolve_serving(resolve_model("tiny", {}), mesh_dim="1,2,4,1", build=False)
     with pytest.raises(UsageError, match="use a smaller model"):
         joblib.resolve_serving(resolve_model("1b", {}), mesh_dim="1,1,8,1", build=False)
+
+
+def test_serving_cache_counts_a_local_layers_window_only():
+    """A local layer's KV cache is a ring of its window: Gemma 2's alternation needs half the cache plus
+    the windows at a long context."""
+    from meshlm.mesh import MeshShape
+    from meshlm.models.presets import resolve_model
+    from meshlm.plan.fit import serving_bytes
+
+    glob = resolve_model("test", {"n_layers": "4"})
+    local = glob.replace(sliding_window=64, layer_pattern="LG")
+    shape = MeshShape(1, 1, 1, 1)
+    _, full = serving_bytes(glob, shape, max_batch=2, context=4096)
+    _, ring = serving_bytes(local, shape, max_batch=2, context=4096)
+    assert ring == pytest.approx(full * (2 * 4096 + 2 * 64) / (4 * 4096))

@@ -1,6 +1,6 @@
-"""Greedy generation of the open families through the serving engine (KV cache, local layers attending their
-window in the cache, soft caps) against transformers' own greedy `generate` on the same weights: the same
-tokens, on one device and with the cache's kv heads split over tp."""
+"""Greedy generation of the open families through the serving engine (KV cache, local layers keeping only
+their window in a ring of cache slots, soft caps) against transformers' own greedy `generate` on the same
+weights: the same tokens, on one device and with the cache's kv heads split over tp."""
 
 import pytest
 
@@ -67,6 +67,8 @@ def test_greedy_generation_equals_transformers(family, mesh_dim, tmp_path):
     engine = Engine(
         LoadedModel(cfg, placement, params, _Ids(), family), max_batch=2, max_seq_len=32, prefill_buckets=(16,)
     ).start()
+    sizes = [c.shape[1] for c in engine.steps.state.cache_k]
+    assert sizes == [8 if local else 32 for local in cfg.local_layers]  # local layers: a ring of their window
     try:
         handles = [engine.submit(GenerationRequest(p, NEW_TOKENS, SamplingParams(temperature=0.0))) for p in PROMPTS]
         got = [[t for ev in h.iter_sync(timeout=300) for t in ev.token_ids] for h in handles]

@@ -3,17 +3,9 @@
 import numpy as np
 import pytest
 
-BASE = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+from tests.support.hf import small_hf_config
+
+BASE = small_hf_config(vocab_size=160, num_hidden_layers=4, max_position_embeddings=128, rms_norm_eps=1e-6)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 # transformers config class name and the fields each case sets beyond BASE.

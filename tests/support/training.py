@@ -50,7 +50,7 @@ def mesh_for(dims: str):
     return build_mesh(shape, jax.devices()[: shape.n_devices])
 
 
-_made_on = {}  # (cfg, policy, opt_cfg, dims) -> the fresh state create_train_state made on that mesh, on the host
+_made_on = {}  # (cfg, policy, opt_cfg, dims, rules_file) -> the fresh state create_train_state made on that mesh, on the host
 
 
 def fresh_state(placement, optimizer, key):
@@ -63,19 +63,20 @@ def fresh_state(placement, optimizer, key):
     return jax.device_put(_made_on[key], state_shardings(placement, optimizer))
 
 
-def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init=False, policy=POLICY):
+def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init=False, rules_file=None, policy=POLICY):
     """Losses of training from create_train_state's state on `dims`; with `shared_init`, from the state
-    made on one device, laid out for `dims` (see `train`)."""
-    placement = place(cfg, mesh_for(dims), policy=policy)
+    made on one device, laid out for `dims` (see `train`). `rules_file`: a --sharding_rules file."""
+    placement = place(cfg, mesh_for(dims), *choose("default", None, rules_file), policy=policy)
     optimizer = make_optimizer(opt_cfg)
     if shared_init:
         state = jax.device_put(initial_state_on_host(cfg, opt_cfg, policy), state_shardings(placement, optimizer))
     else:
-        state = fresh_state(placement, optimizer, (cfg, policy, opt_cfg, dims))
+        state = fresh_state(placement, optimizer, (cfg, policy, opt_cfg, dims, rules_file))
     step = make_train_step(placement, optimizer, lr_schedule(opt_cfg), grad_accum)
-    perm = sequence_permutation(placement, T)
+    batches = batches or make_batches(cfg)
+    perm = sequence_permutation(placement, batches[0]["inputs"].shape[1])
     losses, grad_norms = [], []
-    for batch in batches or make_batches(cfg):
+    for batch in batches:
         state, metrics = step(state, put_batch(placement, batch, perm))
         losses.append(float(metrics["loss"]))
         grad_norms.append(float(metrics["grad_norm"]))
@@ -85,7 +86,7 @@ def run(dims: str, cfg=CFG, opt_cfg=OPT, grad_accum=1, batches=None, shared_init
 def initial_state_on_host(cfg=CFG, opt_cfg=OPT, policy=POLICY):
     """A fresh train state (seed 0) made on one device, on the host: compiling the initialiser costs about
     as much as compiling a train step on 2 CPU cores, so this is done once per model and optimizer."""
-    key = (cfg, policy, opt_cfg, "1,1,1,1")
+    key = (cfg, policy, opt_cfg, "1,1,1,1", None)
     if key not in _made_on:
         fresh_state(place(cfg, mesh_for("1,1,1,1"), policy=policy), make_optimizer(opt_cfg), key)
     return _made_on[key]

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from meshlm import sharding
+from meshlm.models.layers import cache_positions
 from meshlm.serve.engine.sampling import SlotSampling, sample
 
 
@@ -114,15 +115,17 @@ class Steps:
         cache, heads = self.placement.cache_sharding(), self.placement.cache_heads()
         small = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
-        def zeros():
+        def zeros(length):
+            shape = (B, length, heads, cfg.head_dim)
             dtype = jnp.dtype(self.placement.policy.dtype)  # the cache holds keys and values in the compute dtype
-            return jax.jit(lambda: jnp.zeros((B, S, heads, cfg.head_dim), dtype), out_shardings=cache)()
+            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache)()
 
         host = (np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32), SlotSampling.empty(B))
         tokens, positions, counts, sampling = jax.device_put(host, small)
+        lengths = cfg.cache_lengths(S)  # a local layer keeps a ring of its window
         return DecodeState(
-            tuple(zeros() for _ in range(cfg.n_layers)),
-            tuple(zeros() for _ in range(cfg.n_layers)),
+            tuple(zeros(n) for n in lengths),
+            tuple(zeros(n) for n in lengths),
             tokens,
             positions,
             counts,
@@ -136,8 +139,8 @@ class Steps:
         with self._activate(decoding=False):
             logits, k, v = self._merge(params).prefill(tokens, positions, layers=params[1], select=lengths - 1)
         first = sample(logits[:, 0], settings, jnp.zeros_like(lengths))
-        cache_k = tuple(c.at[slots, :P].set(k[i].astype(c.dtype), mode="drop") for i, c in enumerate(state.cache_k))
-        cache_v = tuple(c.at[slots, :P].set(v[i].astype(c.dtype), mode="drop") for i, c in enumerate(state.cache_v))
+        cache_k = tuple(_write_prompt(c, k[i], slots, lengths) for i, c in enumerate(state.cache_k))
+        cache_v = tuple(_write_prompt(c, v[i], slots, lengths) for i, c in enumerate(state.cache_v))
         new = DecodeState(
             cache_k,
             cache_v,
@@ -180,6 +183,17 @@ class Steps:
             state.sampling,
         )
         return new, nxt
+
+
+def _write_prompt(cache, new, slots, lengths):
+    """Prompt rows' keys or values [Bp, P, K, D] into cache rows `slots`. A cache shorter than the prompt
+    is a local layer's ring: each of its S slots takes the newest position p < length with p = s mod S."""
+    P, S = new.shape[1], cache.shape[1]
+    if S >= P:
+        return cache.at[slots, :P].set(new.astype(cache.dtype), mode="drop")
+    held = cache_positions((lengths - 1)[:, None], S, S, ring=True)  # [Bp, S]; -1: empty, masked when decoding
+    ring = jnp.take_along_axis(new, jnp.maximum(held, 0)[:, :, None, None], axis=1)
+    return cache.at[slots].set(ring.astype(cache.dtype), mode="drop")
 
 
 __all__ = ["DecodeState", "Steps", "split_layers"]
