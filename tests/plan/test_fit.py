@@ -197,6 +197,6 @@ def test_serving_cache_counts_a_local_layers_window_only():
     glob = resolve_model("test", {"n_layers": "4"})
     local = glob.replace(sliding_window=64, layer_pattern="LG")
     shape = MeshShape(1, 1, 1, 1)
-    _, full = serving_bytes(glob, shape, max_batch=2, context=4096)
-    _, ring = serving_bytes(local, shape, max_batch=2, context=4096)
+    _, full = serving_bytes(glob, "bfloat16", shape, max_batch=2, context=4096)
+    _, ring = serving_bytes(local, "bfloat16", shape, max_batch=2, context=4096)
     assert ring == pytest.approx(full * (2 * 4096 + 2 * 64) / (4 * 4096))
