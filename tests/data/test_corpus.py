@@ -104,7 +104,9 @@ def test_empty_glob_and_empty_directory(tmp_path):
     with pytest.raises(UsageError, match=r"glob .* matched no files"):
         open_corpus(str(tmp_path / "*.jsonl"))
     (tmp_path / "only.md").write_text("x")
-    with pytest.raises(UsageError, match=r"holds no \.txt or \.jsonl files"):
+    with pytest.raises(
+        UsageError, match=r"holds no \.txt, \.jsonl, \.json \(each also \.gz or \.zst\) or \.parquet files"
+    ):
         open_corpus(str(tmp_path))
 
 
