@@ -14,7 +14,6 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
 
 from meshlm.errors import UsageError
 
@@ -57,12 +56,12 @@ def open_input(path: str):
     """`path` opened for binary reading, decompressed on the fly; errors become `UsageError` lines."""
     comp = compression(path)
     try:
-        handle: BinaryIO = open(path, "rb")  # noqa: SIM115  (closed below)
+        handle = open(path, "rb")  # noqa: SIM115  (closed below)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}; check the path and permissions") from e
     try:
         if comp == ".gz":
-            stream: BinaryIO = gzip.GzipFile(fileobj=handle, mode="rb")
+            stream: io.BufferedIOBase = gzip.GzipFile(fileobj=handle, mode="rb")
         elif comp == ".zst":
             stream = io.BufferedReader(_zstd().ZstdDecompressor().stream_reader(handle))
         else:
@@ -118,7 +117,7 @@ def _is_separator(raw: bytes) -> bool:
     return raw.startswith(_SEPARATOR_BYTES) and not raw[len(_SEPARATOR_BYTES) :].strip()
 
 
-def _lines(stream: BinaryIO, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
+def _lines(stream: io.BufferedIOBase, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
     """(byte offset, line) of the lines starting in [start, stop) (stop -1: to the end)."""
     if start:
         stream.seek(start)
