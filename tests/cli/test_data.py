@@ -1,0 +1,67 @@
+"""`meshlm data prepare`: bad input is one line and exit code 2; two processes prepare one corpus together."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from meshlm.cli import main
+from meshlm.data.loader import tokenize_corpus
+from meshlm.data.shards import MANIFEST, TokenShards
+from meshlm.data.tokenizer import train_tokenizer
+from tests.data.test_prepare import make_corpus, quiet
+from tests.support.cli import ROOT
+
+BAD = [
+    (["data"], "no action: write meshlm data prepare [flags]"),
+    (["data", "prepair"], "unknown action 'prepair'"),
+    (["data", "prepare", "--datset=x"], "did you mean --dataset?"),
+    (["data", "prepare", "--dataset=/no/such/file.txt"], "/no/such/file.txt"),
+    (["data", "prepare", "--dataset=synthetic"], "nothing to prepare"),
+    (["data", "prepare", "--num_processes=2", "--process_id=2"], "--process_id=2 must be in 0 .. 1"),
+    (["data", "prepare", "--workers=0"], "--workers=0 must be a positive integer"),
+    (["data", "prepare", "--text_field= "], "--text_field is empty"),
+    (["data", "prepare", "--tokenizer=/no/such/dir"], "tokenizer '/no/such/dir' not found"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    assert main([*argv, f"--cache_dir={tmp_path}"] if len(argv) > 2 else argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err
+
+
+def test_two_processes_prepare_one_corpus_together(tmp_path):
+    spec = make_corpus(tmp_path / "corpus", n_files=6)
+    tok = train_tokenizer(spec, 300, cache_dir=tmp_path / "cache")
+    tok_dir = tmp_path / "tok"
+    tok.save(tok_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    common = [f"--dataset={spec}", f"--tokenizer={tok_dir}", f"--cache_dir={tmp_path / 'cache'}", "--workers=1"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "meshlm", "data", "prepare", *common, f"--process_id={p}", "--num_processes=2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for p in (0, 1)
+    ]
+    logs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "7 units (4 encoded now)" in logs[0][1] and "7 units (3 encoded now)" in logs[1][1]
+    folders = {line.rsplit("-> ", 1)[1] for _, err in logs for line in err.splitlines() if "-> " in line}
+    assert len(folders) == 1
+    manifest = json.loads((tmp_path / "cache" / "shards").joinpath(folders.pop().split("/")[-1], MANIFEST).read_text())
+    assert [u["process"] for u in manifest["units"]] == [i % 2 for i in range(7)]
+    shards = TokenShards(next((tmp_path / "cache" / "shards").iterdir()))
+    np.testing.assert_array_equal(
+        np.asarray(shards), tokenize_corpus(spec, tok, cache_dir=tmp_path / "c2", console=quiet()[0])
+    )

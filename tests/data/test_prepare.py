@@ -1,0 +1,129 @@
+"""Preparing token shards: the same ids as the one-process token cache, resumed, reused, split between processes."""
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from meshlm.data import prepare as prep
+from meshlm.data.loader import tokenize_corpus
+from meshlm.data.shards import MANIFEST, unit_stem
+from meshlm.data.tokenizer import train_tokenizer
+from meshlm.errors import UsageError
+
+WORDS = "the a river stone lamp quiet runs over under <|endoftext|> def return café 42 ( ) : \n".split(" ")
+
+
+def make_corpus(root, n_files=4, seed=0):
+    """A folder of .txt files (one document each) and a .jsonl file (one document a line)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def text(n):
+        return " ".join(rng.choice(WORDS, n))
+
+    for i in range(n_files):
+        (root / f"doc{i}.txt").write_text(text(40 + 30 * i))
+    lines = [json.dumps({"text": text(int(rng.integers(1, 60)))}) for _ in range(25)]
+    (root / "more.jsonl").write_text("\n".join(lines[:10] + [""] + lines[10:]) + "\n")
+    return str(root)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    spec = make_corpus(tmp_path / "corpus")
+    return spec, train_tokenizer(spec, 300, cache_dir=tmp_path / "cache"), tmp_path / "cache"
+
+
+def quiet():
+    out = io.StringIO()
+    return Console(file=out, width=200), out
+
+
+def test_shards_hold_the_token_caches_ids(corpus):
+    spec, tok, cache = corpus
+    console, log = quiet()
+    shards = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=console)
+    expected = tokenize_corpus(spec, tok, cache_dir=cache, console=quiet()[0])
+    assert len(shards.units) == 5 and len(shards) == len(expected) and shards.dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(shards), expected)
+    starts = np.cumsum([0] + [u["tokens"] for u in shards.units])
+    ends = np.concatenate([shards.document_ends(u) + starts[u] for u in range(5)])
+    assert shards.documents == len(ends) == int((expected == tok.eos_id).sum())  # eos only at document ends
+    np.testing.assert_array_equal(np.flatnonzero(expected == tok.eos_id) + 1, ends)
+    bounds = np.cumsum([u["tokens"] for u in shards.units])
+    for b in bounds[:-1]:
+        np.testing.assert_array_equal(shards[b - 3 : b + 4], expected[b - 3 : b + 4])
+    assert "5 units (5 encoded now)" in log.getvalue() and "more.jsonl: 25 documents" in log.getvalue()
+
+
+def test_a_second_call_reuses_the_shards(corpus, monkeypatch):
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=quiet()[0])
+
+    def no_encoding(*a, **k):
+        raise AssertionError("units encoded again")
+
+    monkeypatch.setattr(prep, "_encode_units", no_encoding)
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=quiet()[0])
+    assert again.folder == first.folder
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+
+
+def test_an_interrupted_preparation_does_only_the_missing_units(corpus):
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=1, console=quiet()[0])
+    whole, folder = np.asarray(first), first.folder
+    for name in (f"{unit_stem(2)}.npy", f"{unit_stem(2)}.json", MANIFEST):  # as if stopped while unit 2 was written
+        (folder / name).unlink()
+    (folder / f".{unit_stem(2)}.npy.123.tmp").write_bytes(b"half")
+    kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4)}
+    console, log = quiet()
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=console)
+    assert "(1 encoded now)" in log.getvalue()
+    assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4)}
+    assert not list(folder.glob(".*.tmp"))
+    np.testing.assert_array_equal(np.asarray(again), whole)
+
+
+class ByteTokenizer:
+    """Not a meshlm Tokenizer: encoded in this process, and may change the corpus while it runs."""
+
+    eos_id, vocab_size, fingerprint = 255, 256, "bytes-v1"
+
+    def __init__(self, touch=None):
+        self.touch = touch
+
+    def encode(self, text):
+        if self.touch is not None:
+            self.touch.write_text("changed while preparing")
+        return list(text.encode("utf-8")[:50].replace(b"\xff", b""))
+
+
+def test_other_tokenizers_are_encoded_here(corpus):
+    spec, _, cache = corpus
+    shards = prep.prepare_tokens(spec, ByteTokenizer(), cache_dir=cache, console=quiet()[0])
+    expected = tokenize_corpus(spec, ByteTokenizer(), cache_dir=cache, console=quiet()[0])
+    np.testing.assert_array_equal(np.asarray(shards), expected)
+
+
+def test_a_corpus_changed_while_prepared_asks_to_run_again(corpus):
+    spec, _, cache = corpus
+    with pytest.raises(UsageError, match="changed while it was being tokenized; run again"):
+        prep.prepare_tokens(
+            spec, ByteTokenizer(touch=prep.Path(spec) / "doc0.txt"), cache_dir=cache, console=quiet()[0]
+        )
+    assert len(list((cache / "shards").glob("*/unit-?????.npy"))) == 5  # nothing prepared is deleted
+
+
+def test_waiting_for_another_process_times_out_in_one_line(corpus):
+    spec, tok, cache = corpus
+    with pytest.raises(UsageError, match="waited 1 s for the other processes' units"):
+        prep.prepare_tokens(
+            spec, tok, cache_dir=cache, workers=1, process_index=0, process_count=2, peer_timeout=1, console=quiet()[0]
+        )
+    folder = prep.shard_folder(prep.open_corpus(spec), tok, cache)
+    assert sorted(p.name for p in folder.glob("*.json")) == [f"{unit_stem(i)}.json" for i in (0, 2, 4)]
