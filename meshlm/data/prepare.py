@@ -21,47 +21,27 @@ import os
 import queue
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 
-from meshlm.data.corpus import atomic_write, cache_root, open_corpus
+from meshlm.data.corpus import DEFAULT_UNIT_BYTES, atomic_write, cache_root, open_corpus
 from meshlm.data.shards import FORMAT, MANIFEST, DamagedShard, GrowingNpy, TokenShards, unit_stem
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.data.unit_progress import UnitProgress
 from meshlm.errors import UsageError
 
-UNIT_BYTES = 256 << 20  # input bytes per unit: the work one worker takes at a time
+UNIT_BYTES = DEFAULT_UNIT_BYTES  # input bytes per unit: the work one worker takes at a time
 CHUNK_CHARS = 4 << 20  # characters of text encoded per batch call: bounds a worker's memory
 PEER_TIMEOUT = 600.0  # seconds without a new unit from another process before giving up
 _POLL = 0.5
 
 
-@dataclass(frozen=True)
-class _FallbackUnit:
-    """One file of a corpus (or the whole corpus, `path` None) as a unit, for corpora without `units`."""
-
-    spec: str
-    text_field: str
-    label: str
-    nbytes: int
-    path: str | None = None
-
-    def documents(self):
-        return open_corpus(self.path or self.spec, self.text_field).documents()
-
-
-def corpus_units(corpus, unit_bytes: int = UNIT_BYTES) -> list:
-    """The corpus's units in order (their documents, concatenated, are the corpus's)."""
-    if hasattr(corpus, "units"):
-        return list(corpus.units(unit_bytes))
-    files, field = getattr(corpus, "files", None), getattr(corpus, "text_field", "text")
-    if not files:
-        return [_FallbackUnit(corpus.spec, field, corpus.spec, 0)]
-    root = os.path.commonpath([str(p.parent) for p in files])
-    return [_FallbackUnit(corpus.spec, field, os.path.relpath(p, root), p.stat().st_size, str(p)) for p in files]
+def unit_source(unit) -> str:
+    """What the summary counts a unit under: its file when all its input is one file, else its label."""
+    paths = {getattr(p, "path", None) for p in getattr(unit, "pieces", ())}
+    return paths.pop() if len(paths) == 1 and None not in paths else unit.label
 
 
 def shard_folder(corpus, tokenizer, cache_dir=None, unit_bytes: int = UNIT_BYTES) -> Path:
@@ -124,6 +104,7 @@ def write_unit(unit, folder: Path, index: int, encode, eos_id: int, dtype, repor
     record = {
         "stem": stem,
         "label": unit.label,
+        "source": unit_source(unit),
         "documents": n_docs,
         "tokens": tokens.length,
         "bytes": unit.nbytes,
@@ -258,7 +239,7 @@ def prepare_tokens(
     if shards is not None:
         return shards
     folder.mkdir(parents=True, exist_ok=True)
-    units = corpus_units(corpus, unit_bytes)
+    units = corpus.units(unit_bytes)
     mine = [i for i in range(len(units)) if i % process_count == process_index]
     todo = [i for i in mine if not _done(folder, i)]
     for i in todo:  # what an interrupted run of this process left half-written
@@ -281,4 +262,4 @@ def prepare_tokens(
     return shards
 
 
-__all__ = ["CHUNK_CHARS", "PEER_TIMEOUT", "UNIT_BYTES", "corpus_units", "prepare_tokens", "shard_folder", "write_unit"]
+__all__ = ["CHUNK_CHARS", "PEER_TIMEOUT", "UNIT_BYTES", "prepare_tokens", "shard_folder", "unit_source", "write_unit"]

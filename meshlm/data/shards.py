@@ -7,7 +7,7 @@
 The files are plain numpy `.npy` memory maps, the token cache's own format: any offset reads without
 loading the rest, and nothing beyond numpy is needed. The folder holds `manifest.json` (format, corpus
 spec and fingerprint, tokenizer fingerprint, dtype, vocabulary size and per unit: stem, label,
-documents, tokens, input bytes, the process that wrote it), and per unit `unit-NNNNN.npy` (each
+source file, documents, tokens, input bytes, the process that wrote it), and per unit `unit-NNNNN.npy` (each
 document's ids followed by the end-of-text id) and `unit-NNNNN.docs.npy` (the int64 end offset of each
 document in the unit). `GrowingNpy` writes a stream a chunk at a time and fixes its header at the end.
 """
@@ -143,11 +143,12 @@ class TokenShards:
         return np.load(self.folder / f"{self.units[unit]['stem']}.docs.npy", mmap_mode="r")
 
     def tokens_per_source(self) -> dict[str, tuple[int, int]]:
-        """label -> (documents, tokens), summed over the units of each source, in corpus order."""
+        """source (a unit's file, else its label) -> (documents, tokens), summed over its units, in corpus order."""
         out: dict[str, tuple[int, int]] = {}
         for u in self.units:
-            docs, tokens = out.get(u["label"], (0, 0))
-            out[u["label"]] = (docs + u["documents"], tokens + u["tokens"])
+            source = u.get("source", u["label"])
+            docs, tokens = out.get(source, (0, 0))
+            out[source] = (docs + u["documents"], tokens + u["tokens"])
         return out
 
     def __repr__(self) -> str:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from meshlm.cli import main
-from meshlm.data.loader import tokenize_corpus
+from meshlm.data.corpus import open_corpus
 from meshlm.data.shards import MANIFEST, TokenShards
 from meshlm.data.tokenizer import train_tokenizer
-from tests.data.test_prepare import make_corpus, quiet
+from tests.data.test_prepare import make_corpus, reference_ids
 from tests.support.cli import ROOT
 
 BAD = [
@@ -23,6 +23,7 @@ BAD = [
     (["data", "prepare", "--dataset=synthetic"], "nothing to prepare"),
     (["data", "prepare", "--num_processes=2", "--process_id=2"], "--process_id=2 must be in 0 .. 1"),
     (["data", "prepare", "--workers=0"], "--workers=0 must be a positive integer"),
+    (["data", "prepare", "--unit_mb=0"], "--unit_mb=0.0 must be positive"),
     (["data", "prepare", "--text_field= "], "--text_field is empty"),
     (["data", "prepare", "--tokenizer=/no/such/dir"], "tokenizer '/no/such/dir' not found"),
 ]
@@ -43,6 +44,9 @@ def test_two_processes_prepare_one_corpus_together(tmp_path):
     tok.save(tok_dir)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     common = [f"--dataset={spec}", f"--tokenizer={tok_dir}", f"--cache_dir={tmp_path / 'cache'}", "--workers=1"]
+    n = len(open_corpus(spec).units(int(0.001 * 2**20)))
+    assert n >= 6
+    common.append("--unit_mb=0.001")
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "meshlm", "data", "prepare", *common, f"--process_id={p}", "--num_processes=2"],
@@ -56,12 +60,10 @@ def test_two_processes_prepare_one_corpus_together(tmp_path):
     ]
     logs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
-    assert "7 units (4 encoded now)" in logs[0][1] and "7 units (3 encoded now)" in logs[1][1]
+    assert f"{n} units ({(n + 1) // 2} encoded now)" in logs[0][1] and f"{n} units ({n // 2} encoded now)" in logs[1][1]
     folders = {line.rsplit("-> ", 1)[1] for _, err in logs for line in err.splitlines() if "-> " in line}
     assert len(folders) == 1
     manifest = json.loads((tmp_path / "cache" / "shards").joinpath(folders.pop().split("/")[-1], MANIFEST).read_text())
-    assert [u["process"] for u in manifest["units"]] == [i % 2 for i in range(7)]
+    assert [u["process"] for u in manifest["units"]] == [i % 2 for i in range(n)]
     shards = TokenShards(next((tmp_path / "cache" / "shards").iterdir()))
-    np.testing.assert_array_equal(
-        np.asarray(shards), tokenize_corpus(spec, tok, cache_dir=tmp_path / "c2", console=quiet()[0])
-    )
+    np.testing.assert_array_equal(np.asarray(shards), reference_ids(spec, tok))

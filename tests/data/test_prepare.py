@@ -9,11 +9,13 @@ import pytest
 from rich.console import Console
 
 from meshlm.data import prepare as prep
+from meshlm.data.corpus import open_corpus
 from meshlm.data.loader import tokenize_corpus
 from meshlm.data.shards import MANIFEST, unit_stem
 from meshlm.data.tokenizer import train_tokenizer
 from meshlm.errors import UsageError
 
+UNIT = 1000  # input bytes per unit: the corpus below is 6 units (3 files in one, a file cut in 4)
 WORDS = "the a river stone lamp quiet runs over under <|endoftext|> def return café 42 ( ) : \n".split(" ")
 
 
@@ -32,6 +34,14 @@ def make_corpus(root, n_files=4, seed=0):
     return str(root)
 
 
+def reference_ids(spec, tok) -> np.ndarray:
+    """The corpus encoded in one go, the way the one-process token cache always has: each document's ids
+    (special-token text kept as text), then eos."""
+    docs = list(open_corpus(spec).documents())
+    ids = tok.encode_batch(docs, special_as_text=True) if hasattr(tok, "encode_batch") else map(tok.encode, docs)
+    return np.array([i for one in ids for i in (*one, tok.eos_id)], np.uint16)
+
+
 @pytest.fixture
 def corpus(tmp_path):
     spec = make_corpus(tmp_path / "corpus")
@@ -46,45 +56,46 @@ def quiet():
 def test_shards_hold_the_token_caches_ids(corpus):
     spec, tok, cache = corpus
     console, log = quiet()
-    shards = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=console)
-    expected = tokenize_corpus(spec, tok, cache_dir=cache, console=quiet()[0])
-    assert len(shards.units) == 5 and len(shards) == len(expected) and shards.dtype == expected.dtype
+    shards = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
+    expected = reference_ids(spec, tok)
+    np.testing.assert_array_equal(tokenize_corpus(spec, tok, cache_dir=cache, console=quiet()[0]), expected)
+    assert len(shards.units) == 6 and len(shards) == len(expected) and shards.dtype == expected.dtype
     np.testing.assert_array_equal(np.asarray(shards), expected)
     starts = np.cumsum([0] + [u["tokens"] for u in shards.units])
-    ends = np.concatenate([shards.document_ends(u) + starts[u] for u in range(5)])
+    ends = np.concatenate([shards.document_ends(u) + starts[u] for u in range(6)])
     assert shards.documents == len(ends) == int((expected == tok.eos_id).sum())  # eos only at document ends
     np.testing.assert_array_equal(np.flatnonzero(expected == tok.eos_id) + 1, ends)
     bounds = np.cumsum([u["tokens"] for u in shards.units])
     for b in bounds[:-1]:
         np.testing.assert_array_equal(shards[b - 3 : b + 4], expected[b - 3 : b + 4])
-    assert "5 units (5 encoded now)" in log.getvalue() and "more.jsonl: 25 documents" in log.getvalue()
+    assert "6 units (6 encoded now)" in log.getvalue() and "more.jsonl: 25 documents" in log.getvalue()
 
 
 def test_a_second_call_reuses_the_shards(corpus, monkeypatch):
     spec, tok, cache = corpus
-    first = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=quiet()[0])
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=quiet()[0])
 
     def no_encoding(*a, **k):
         raise AssertionError("units encoded again")
 
     monkeypatch.setattr(prep, "_encode_units", no_encoding)
-    again = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=quiet()[0])
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=quiet()[0])
     assert again.folder == first.folder
     np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
 
 
 def test_an_interrupted_preparation_does_only_the_missing_units(corpus):
     spec, tok, cache = corpus
-    first = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=1, console=quiet()[0])
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
     whole, folder = np.asarray(first), first.folder
     for name in (f"{unit_stem(2)}.npy", f"{unit_stem(2)}.json", MANIFEST):  # as if stopped while unit 2 was written
         (folder / name).unlink()
     (folder / f".{unit_stem(2)}.npy.123.tmp").write_bytes(b"half")
-    kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4)}
+    kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4, 5)}
     console, log = quiet()
-    again = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=2, console=console)
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
     assert "(1 encoded now)" in log.getvalue()
-    assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4)}
+    assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4, 5)}
     assert not list(folder.glob(".*.tmp"))
     np.testing.assert_array_equal(np.asarray(again), whole)
 
@@ -105,25 +116,36 @@ class ByteTokenizer:
 
 def test_other_tokenizers_are_encoded_here(corpus):
     spec, _, cache = corpus
-    shards = prep.prepare_tokens(spec, ByteTokenizer(), cache_dir=cache, console=quiet()[0])
-    expected = tokenize_corpus(spec, ByteTokenizer(), cache_dir=cache, console=quiet()[0])
-    np.testing.assert_array_equal(np.asarray(shards), expected)
+    shards = prep.prepare_tokens(spec, ByteTokenizer(), cache_dir=cache, unit_bytes=UNIT, console=quiet()[0])
+    np.testing.assert_array_equal(np.asarray(shards), reference_ids(spec, ByteTokenizer()))
 
 
 def test_a_corpus_changed_while_prepared_asks_to_run_again(corpus):
     spec, _, cache = corpus
     with pytest.raises(UsageError, match="changed while it was being tokenized; run again"):
         prep.prepare_tokens(
-            spec, ByteTokenizer(touch=prep.Path(spec) / "doc0.txt"), cache_dir=cache, console=quiet()[0]
+            spec,
+            ByteTokenizer(touch=prep.Path(spec) / "doc0.txt"),
+            cache_dir=cache,
+            unit_bytes=UNIT,
+            console=quiet()[0],
         )
-    assert len(list((cache / "shards").glob("*/unit-?????.npy"))) == 5  # nothing prepared is deleted
+    assert len(list((cache / "shards").glob("*/unit-?????.npy"))) == 6  # nothing prepared is deleted
 
 
 def test_waiting_for_another_process_times_out_in_one_line(corpus):
     spec, tok, cache = corpus
     with pytest.raises(UsageError, match="waited 1 s for the other processes' units"):
         prep.prepare_tokens(
-            spec, tok, cache_dir=cache, workers=1, process_index=0, process_count=2, peer_timeout=1, console=quiet()[0]
+            spec,
+            tok,
+            cache_dir=cache,
+            unit_bytes=UNIT,
+            workers=1,
+            process_index=0,
+            process_count=2,
+            peer_timeout=1,
+            console=quiet()[0],
         )
-    folder = prep.shard_folder(prep.open_corpus(spec), tok, cache)
+    folder = prep.shard_folder(prep.open_corpus(spec), tok, cache, UNIT)
     assert sorted(p.name for p in folder.glob("*.json")) == [f"{unit_stem(i)}.json" for i in (0, 2, 4)]
