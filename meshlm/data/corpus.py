@@ -192,10 +192,12 @@ def _file_pieces(path: str, max_unit_bytes: int) -> list[Piece]:
         return _parquet_pieces(path, max_unit_bytes)
     if size <= max_unit_bytes or not readers.splittable(path):
         return [Piece(kind, path, nbytes=size)]
-    cut = readers.line_start_after if kind == "jsonl" else readers.separator_end_after
+    after = readers.line_start_after if kind == "jsonl" else readers.separator_end_after
     pieces, start = [], 0
     while start < size:
-        stop = max(cut(path, start + max_unit_bytes, size), start + 1)
+        target = start + max_unit_bytes
+        stop = size if target >= size else readers.cut_at_or_before(path, kind, start, target)
+        stop = stop or after(path, target, size)  # a document longer than max_unit_bytes: past it
         pieces.append(Piece(kind, path, start, stop, stop - start))
         start = stop
     return pieces

@@ -22,6 +22,7 @@ COMPRESSIONS = (".gz", ".zst")
 KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _SEPARATOR_BYTES = SEPARATOR.encode()
 _SCAN_BYTES = 1 << 20
+_SEPARATOR_SLACK = 256  # a separator line with trailing blanks is at most this long to be found backwards
 _PARQUET_BATCH_ROWS = 1024
 
 
@@ -68,7 +69,9 @@ def open_input(path: str):
             stream = handle
         yield stream
     except (OSError, EOFError) as e:
-        raise UsageError(f"{path}: not readable as a {comp or 'plain'} file ({e}); fix or rename it") from None
+        if comp == ".gz":
+            raise UsageError(f"{path}: not a valid gzip file ({e}); fix or rename it") from None
+        raise UsageError(f"cannot read {path}: {e}; check the path and permissions") from None
     except Exception as e:
         if comp == ".zst" and type(e).__name__ == "ZstdError":
             raise UsageError(f"{path}: not a valid zstd file ({e}); fix or rename it") from None
@@ -111,6 +114,34 @@ def separator_end_after(path: str, offset: int, size: int) -> int:
             if _is_separator(raw):
                 return pos
     return size
+
+
+def cut_at_or_before(path: str, kind: str, start: int, target: int) -> int | None:
+    """The last document start in (start, target] of an uncompressed .jsonl (a line start) or .txt
+    file (the byte after a separator line), found reading backwards; None when there is none."""
+    with open(path, "rb") as f:
+        hi = target
+        while hi > start:
+            lo = max(start, hi - _SCAN_BYTES)
+            f.seek(lo)
+            chunk = f.read(hi - lo)
+            found = chunk.rfind(b"\n") if kind == "jsonl" else _last_separator_end(chunk, lo == start)
+            if found >= 0:
+                return lo + found + 1
+            hi = lo + min(_SEPARATOR_SLACK, hi - lo - 1) if lo > start else start  # overlap a split line
+    return None
+
+
+def _last_separator_end(chunk: bytes, starts_a_line: bool) -> int:
+    """The index of the newline ending the last whole separator line in `chunk`, or -1."""
+    end = len(chunk)
+    while (at := chunk.rfind(_SEPARATOR_BYTES, 0, end)) >= 0:
+        end = at
+        newline = chunk.find(b"\n", at)
+        line_start = at == 0 and starts_a_line or at > 0 and chunk[at - 1 : at] == b"\n"
+        if line_start and newline >= 0 and _is_separator(chunk[at : newline + 1]):
+            return newline
+    return -1
 
 
 def _is_separator(raw: bytes) -> bool:

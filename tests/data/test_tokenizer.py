@@ -113,7 +113,7 @@ def test_training_sample_is_spread_over_the_corpus(tmp_path, monkeypatch):
     sample = sample_documents(corpus, 2000)
     assert 1500 <= sum(map(len, sample)) <= 2000
     assert {s.split()[0] for s in sample} == {"head", "middle", "tail"}  # not only the first characters
-    assert sample[-1] in list(corpus.units(1000)[-1].documents())  # down to the last unit
+    assert any(d.startswith(sample[-1]) for d in corpus.units(1000)[-1].documents())  # down to the last unit
     assert sample_documents(corpus, 2000) == sample
     every = list(corpus.documents())
     assert sample_documents(corpus, 10**6) == every  # a corpus smaller than the budget is read whole
