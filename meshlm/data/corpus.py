@@ -265,21 +265,32 @@ class HFCorpus(Corpus):
     def units(self, max_unit_bytes: int = DEFAULT_UNIT_BYTES) -> list[Unit]:
         """One unit per shard (a file of the dataset) when it has several, else one."""
         shards = max(int(getattr(self._stream, "num_shards", 1) or 1), 1)
-        size = _hf_split_bytes(self._stream, self.split) // shards
-        pieces = [Piece("hf", self.name, i, shards, size, self.split) for i in range(shards)]
+        sizes = [_local_size(f) for f in self._data_files]
+        if len(sizes) != shards or not all(s is not None for s in sizes):
+            sizes = [_hf_split_bytes(self._stream, self.split) // shards] * shards
+        pieces = [Piece("hf", self.name, i, shards, sizes[i] or 0, self.split) for i in range(shards)]
         return [Unit(p.label, p.nbytes, (p,), self.text_field) for p in pieces]
 
     @cached_property
+    def _data_files(self) -> list[str]:
+        return readers.hf_data_files(self.name, self.split)
+
+    @cached_property
     def fingerprint(self) -> str:
+        """The dataset's data files (a hub dataset's name its revision; local ones with their sizes and
+        times) and its card's version and split size."""
         info = getattr(self._stream, "info", None)
         split_info = getattr(info, "splits", None) or {}
-        version = f"{getattr(info, 'version', '')}|{split_info.get(self.split, '')}"
-        local = Path(self.name).expanduser()
-        if local.exists():  # a local folder of data files: their sizes and times, like local files
-            files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
-            version += "".join(f"|{p}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files)
-        key = f"hf|{_READ_FORMAT}|{self.name}|{self.split}|{self.text_field}|{version}"
+        key = f"hf|{_READ_FORMAT}|{self.name}|{self.split}|{self.text_field}|{getattr(info, 'version', '')}"
+        key += f"|{split_info.get(self.split, '')}"
+        for name in self._data_files:
+            stat = os.stat(name) if os.path.exists(name) else None
+            key += f"\n{name}" + (f"|{stat.st_size}|{stat.st_mtime_ns}" if stat else "")
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _local_size(name: str) -> int | None:
+    return os.path.getsize(name) if os.path.isfile(name) else None
 
 
 def _hf_split_bytes(stream, split: str) -> int:

@@ -302,6 +302,18 @@ def hf_stream(name: str, split: str):
         ) from e
 
 
+def hf_data_files(name: str, split: str) -> list[str]:
+    """The files behind a dataset's split, as `datasets` resolves them (a hub file's name holds the
+    revision), or [] when it does not say."""
+    import datasets
+
+    try:
+        files = datasets.load_dataset_builder(name).config.data_files or {}
+        return [str(f) for f in files.get(split, [])]
+    except Exception:  # a scripted or unusual dataset: its card's version keys it instead
+        return []
+
+
 def hf_documents(name: str, split: str, text_field: str, shard: int = 0, num_shards: int = 1) -> Iterator[str]:
     """Shard `shard` of `num_shards` (contiguous: the shards in order are the dataset in order)."""
     stream = hf_stream(name, split)

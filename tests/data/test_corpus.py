@@ -258,6 +258,7 @@ def test_hf_streams_a_local_dataset_by_shards(tmp_path, monkeypatch):
     assert list(corpus.documents()) == ["a1", "a2", "b1", "b3"]
     units = corpus.units()
     assert [u.label for u in units] == [f"hf:{tmp_path / 'ds'}:train[shard {i}/2]" for i in range(2)]
+    assert [u.nbytes for u in units] == [(folder / f"train-{i}.jsonl").stat().st_size for i in range(2)]
     assert [list(pickle.loads(pickle.dumps(u)).documents()) for u in units] == [["a1", "a2"], ["b1", "b3"]]
     assert calls and all(k.get("streaming") is True for k in calls)
     before = corpus.fingerprint
