@@ -153,8 +153,13 @@ def _lines(stream: io.BufferedIOBase, start: int, stop: int) -> Iterator[tuple[i
     if start:
         stream.seek(start)
     pos = start
+    if stop < 0:
+        for raw in stream:
+            yield pos, raw
+            pos += len(raw)
+        return
     for raw in stream:
-        if 0 <= stop <= pos:
+        if pos >= stop:
             return
         yield pos, raw
         pos += len(raw)
@@ -190,14 +195,23 @@ def jsonl_documents(path: str, text_field: str, start: int = 0, stop: int = -1) 
     """A .jsonl file's documents: each line's `text_field` (blank lines skipped)."""
     with open_input(path) as stream:
         for lineno, (offset, raw) in enumerate(_lines(stream, start, stop), start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}" if start == 0 else f"{path} (the line at byte {offset})"
             try:
                 record = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                if not raw.strip():
+                    continue
+                where = _line_where(path, lineno, start, offset)
                 raise UsageError(f"{where}: not a valid UTF-8 JSON line ({e}); fix or remove it") from None
-            yield from _non_empty_text(record_text(record, text_field, where))
+            text = record.get(text_field) if type(record) is dict else None
+            if type(text) is not str:
+                text = record_text(record, text_field, _line_where(path, lineno, start, offset))
+            if text and not text.isspace():
+                yield text
+
+
+def _line_where(path: str, lineno: int, start: int, offset: int) -> str:
+    """A line named for an error: its number when read from the file start, else its byte offset."""
+    return f"{path}:{lineno}" if start == 0 else f"{path} (the line at byte {offset})"
 
 
 def json_documents(path: str, text_field: str) -> Iterator[str]:
