@@ -214,6 +214,8 @@ def _parquet_pieces(path: str, max_unit_bytes: int) -> list[Piece]:
         if g + 1 == len(sizes) or sum(sizes[start : g + 2]) > max_unit_bytes:
             pieces.append(Piece("parquet", path, start, g + 1, sum(sizes[start : g + 1])))
             start = g + 1
+    if len(pieces) == 1:  # the whole file
+        return [Piece("parquet", path, 0, -1, pieces[0].nbytes)]
     return pieces or [Piece("parquet", path, 0, 0, 0)]
 
 
