@@ -23,7 +23,11 @@ def parser() -> Parser:
     vocab.add_argument("--model", help="take the vocabulary from this preset or config.json [default: tiny]")
     work = p.add_argument_group("preparation")
     work.add_argument("--workers", type=int, help="worker processes [default: the CPU count, at most the units]")
-    work.add_argument("--unit_mb", type=float, help="input MB per unit of work, cut at documents [default: 256]")
+    work.add_argument(
+        "--unit_mb",
+        type=float,
+        help="input MB per unit of work, cut at documents [default: the corpus over 64, 1 to 256]",
+    )
     work.add_argument("--cache_dir", help="cache folder [default: $MESHLM_CACHE, else ~/.cache/meshlm]")
     add_section_flags(p, config.ClusterConfig, title="several processes", only=("num_processes", "process_id"))
     return p
@@ -68,7 +72,7 @@ def run(argv: list[str]) -> int:
     args = flags.parse_args(argv[1:])
     index, count = check(args)
     from meshlm.data.corpus import is_synthetic
-    from meshlm.data.prepare import UNIT_BYTES, prepare_tokens
+    from meshlm.data.prepare import prepare_tokens
     from meshlm.data.tokenizer import load_tokenizer
 
     if is_synthetic(args.dataset):
@@ -84,6 +88,6 @@ def run(argv: list[str]) -> int:
         workers=args.workers,
         process_index=index,
         process_count=count,
-        unit_bytes=UNIT_BYTES if args.unit_mb is None else int(args.unit_mb * 2**20),
+        unit_bytes=None if args.unit_mb is None else int(args.unit_mb * 2**20),
     )
     return 0

@@ -28,12 +28,15 @@ from rich.console import Console
 
 from meshlm.data.corpus import DEFAULT_UNIT_BYTES, atomic_write, cache_root, open_corpus
 from meshlm.data.shards import FORMAT, MANIFEST, DamagedShard, GrowingNpy, TokenShards, unit_stem
+from meshlm.data.token_cache import DamagedCache
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.data.unit_progress import UnitProgress
 from meshlm.errors import UsageError
 
-UNIT_BYTES = DEFAULT_UNIT_BYTES  # input bytes per unit: the work one worker takes at a time
-CHUNK_CHARS = 4 << 20  # characters of text encoded per batch call: bounds a worker's memory
+UNIT_BYTES = DEFAULT_UNIT_BYTES  # input bytes per unit at most: the work one worker takes at a time
+MIN_UNIT_BYTES = 1 << 20  # ... and at least, unless the corpus is smaller
+TARGET_UNITS = 64  # units a corpus is cut into when that keeps them between those sizes
+CHUNK_CHARS = 1 << 20  # characters of text encoded per batch call: bounds a worker's memory
 PEER_TIMEOUT = 600.0  # seconds without a new unit from another process before giving up
 _POLL = 0.5
 
@@ -44,9 +47,16 @@ def unit_source(unit) -> str:
     return paths.pop() if len(paths) == 1 and None not in paths else unit.label
 
 
-def shard_folder(corpus, tokenizer, cache_dir=None, unit_bytes: int = UNIT_BYTES) -> Path:
+def unit_size(corpus) -> int:
+    """Input bytes per unit: the corpus's size over TARGET_UNITS, within [MIN_UNIT_BYTES, UNIT_BYTES], so that
+    even a small corpus keeps many workers busy. Every process of a run computes the same."""
+    total = sum(u.nbytes for u in corpus.units(UNIT_BYTES))
+    return int(min(UNIT_BYTES, max(MIN_UNIT_BYTES, total // TARGET_UNITS)))
+
+
+def shard_folder(corpus, tokenizer, cache_dir=None, unit_bytes: int | None = None) -> Path:
     """Where `corpus` tokenized by `tokenizer` is prepared: keyed by format, corpus, fingerprints and unit size."""
-    key = f"{FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}|{unit_bytes}"
+    key = f"{FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}|{unit_bytes or unit_size(corpus)}"
     slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "corpus"
     return cache_root(cache_dir) / "shards" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -157,18 +167,29 @@ def _encode_units(todo, units, folder, tokenizer, workers, process_index, progre
     ) as pool:
         futures = [pool.submit(_worker_unit, units[i], folder, i, tokenizer.eos_id, dtype, process_index) for i in todo]
         pending = set(futures)
-        while pending:
-            try:
-                while True:
-                    progress.advance(*reports.get(timeout=0.1))
-            except queue.Empty:
-                pass
-            finished = {f for f in pending if f.done()}
-            for f in finished:
-                f.result()  # a worker's error stops the run here
-            pending -= finished
-        while not reports.empty():
-            progress.advance(*reports.get())
+        try:
+            while pending:
+                _drain(reports, progress, timeout=0.1)
+                finished = {f for f in pending if f.done()}
+                for f in finished:
+                    f.result()  # a worker's error stops the run here
+                pending -= finished
+        except BaseException:
+            for f in pending:
+                f.cancel()  # units not started yet; those under way finish and are kept
+            raise
+        _drain(reports, progress, timeout=0.0)
+
+
+def _drain(reports, progress: UnitProgress, timeout: float) -> None:
+    """Pass the workers' reports so far to the progress bar (waiting up to `timeout` for the first)."""
+    try:
+        first = reports.get(timeout=timeout) if timeout else reports.get_nowait()
+        progress.advance(*first)
+        while True:
+            progress.advance(*reports.get_nowait())
+    except queue.Empty:
+        pass
 
 
 def _wait_for(paths: list[Path], what: str, timeout: float) -> None:
@@ -208,9 +229,10 @@ def _open_or_forget(folder: Path, console: Console) -> TokenShards | None:
         return None
     try:
         return TokenShards(folder)
-    except DamagedShard as e:
-        console.print(f"[meshlm] the token shard {e}: preparing it again", markup=False, highlight=False)
-        (folder / f"{e.stem}.json").unlink(missing_ok=True)
+    except DamagedCache as e:
+        console.print(f"[meshlm] the token shards: {e}; preparing again", markup=False, highlight=False)
+        if isinstance(e, DamagedShard):
+            (folder / f"{e.stem}.json").unlink(missing_ok=True)
         (folder / MANIFEST).unlink(missing_ok=True)
         return None
 
@@ -225,15 +247,17 @@ def prepare_tokens(
     process_index: int = 0,
     process_count: int = 1,
     console: Console | None = None,
-    unit_bytes: int = UNIT_BYTES,
+    unit_bytes: int | None = None,
     peer_timeout: float = PEER_TIMEOUT,
 ) -> TokenShards:
     """The corpus `spec` tokenized into shards (module docstring), prepared now or found prepared; each
-    document's ids followed by `tokenizer.eos_id`, in corpus order."""
+    document's ids followed by `tokenizer.eos_id`, in corpus order. `unit_bytes`: input bytes per unit
+    (default `unit_size(corpus)`)."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise UsageError(f"process {process_index} is not in 0 .. {process_count - 1}; pass --process_id below it")
     console = console or Console(stderr=True)
     corpus = open_corpus(spec, text_field)
+    unit_bytes = unit_bytes or unit_size(corpus)
     folder = shard_folder(corpus, tokenizer, cache_dir, unit_bytes)
     shards = _open_or_forget(folder, console)
     if shards is not None:
@@ -262,4 +286,15 @@ def prepare_tokens(
     return shards
 
 
-__all__ = ["CHUNK_CHARS", "PEER_TIMEOUT", "UNIT_BYTES", "prepare_tokens", "shard_folder", "unit_source", "write_unit"]
+__all__ = [
+    "CHUNK_CHARS",
+    "MIN_UNIT_BYTES",
+    "PEER_TIMEOUT",
+    "TARGET_UNITS",
+    "UNIT_BYTES",
+    "prepare_tokens",
+    "shard_folder",
+    "unit_size",
+    "unit_source",
+    "write_unit",
+]

@@ -15,7 +15,7 @@ from meshlm.data.shards import MANIFEST, unit_stem
 from meshlm.data.tokenizer import train_tokenizer
 from meshlm.errors import UsageError
 
-UNIT = 1000  # input bytes per unit: the corpus below is 6 units (3 files in one, a file cut in 4)
+UNIT = 1000  # input bytes per unit: the corpus below is 5 units or more (small files grouped, a file cut)
 WORDS = "the a river stone lamp quiet runs over under <|endoftext|> def return café 42 ( ) : \n".split(" ")
 
 
@@ -59,16 +59,17 @@ def test_shards_hold_the_token_caches_ids(corpus):
     shards = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
     expected = reference_ids(spec, tok)
     np.testing.assert_array_equal(tokenize_corpus(spec, tok, cache_dir=cache, console=quiet()[0]), expected)
-    assert len(shards.units) == 6 and len(shards) == len(expected) and shards.dtype == expected.dtype
+    n = len(open_corpus(spec).units(UNIT))
+    assert n >= 5 and len(shards.units) == n and len(shards) == len(expected) and shards.dtype == expected.dtype
     np.testing.assert_array_equal(np.asarray(shards), expected)
     starts = np.cumsum([0] + [u["tokens"] for u in shards.units])
-    ends = np.concatenate([shards.document_ends(u) + starts[u] for u in range(6)])
+    ends = np.concatenate([shards.document_ends(u) + starts[u] for u in range(n)])
     assert shards.documents == len(ends) == int((expected == tok.eos_id).sum())  # eos only at document ends
     np.testing.assert_array_equal(np.flatnonzero(expected == tok.eos_id) + 1, ends)
     bounds = np.cumsum([u["tokens"] for u in shards.units])
     for b in bounds[:-1]:
         np.testing.assert_array_equal(shards[b - 3 : b + 4], expected[b - 3 : b + 4])
-    assert "6 units (6 encoded now)" in log.getvalue() and "more.jsonl: 25 documents" in log.getvalue()
+    assert f"{n} units ({n} encoded now)" in log.getvalue() and "more.jsonl: 25 documents" in log.getvalue()
 
 
 def test_a_second_call_reuses_the_shards(corpus, monkeypatch):
@@ -91,12 +92,25 @@ def test_an_interrupted_preparation_does_only_the_missing_units(corpus):
     for name in (f"{unit_stem(2)}.npy", f"{unit_stem(2)}.json", MANIFEST):  # as if stopped while unit 2 was written
         (folder / name).unlink()
     (folder / f".{unit_stem(2)}.npy.123.tmp").write_bytes(b"half")
-    kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4, 5)}
+    others = [i for i in range(len(first.units)) if i != 2]
+    kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
     console, log = quiet()
     again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
     assert "(1 encoded now)" in log.getvalue()
-    assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in (0, 1, 3, 4, 5)}
+    assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
     assert not list(folder.glob(".*.tmp"))
+    np.testing.assert_array_equal(np.asarray(again), whole)
+
+
+def test_a_damaged_unit_is_prepared_again(corpus):
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
+    whole = np.asarray(first)
+    with open(first.folder / f"{unit_stem(3)}.npy", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 2)
+    console, log = quiet()
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=console)
+    assert f"{unit_stem(3)}.npy is" in log.getvalue() and "(1 encoded now)" in log.getvalue()
     np.testing.assert_array_equal(np.asarray(again), whole)
 
 
@@ -130,7 +144,17 @@ def test_a_corpus_changed_while_prepared_asks_to_run_again(corpus):
             unit_bytes=UNIT,
             console=quiet()[0],
         )
-    assert len(list((cache / "shards").glob("*/unit-?????.npy"))) == 6  # nothing prepared is deleted
+    assert len(list((cache / "shards").glob("*/unit-?????.npy"))) == len(
+        open_corpus(spec).units(UNIT)
+    )  # nothing prepared is deleted
+
+
+def test_units_are_a_sixty_fourth_of_the_corpus_within_bounds(tmp_path, monkeypatch):
+    spec = make_corpus(tmp_path / "corpus")
+    assert prep.unit_size(prep.open_corpus(spec)) == prep.MIN_UNIT_BYTES  # a small corpus: the least
+    monkeypatch.setattr(prep, "MIN_UNIT_BYTES", 10)
+    total = sum(u.nbytes for u in prep.open_corpus(spec).units())
+    assert prep.unit_size(prep.open_corpus(spec)) == total // prep.TARGET_UNITS
 
 
 def test_waiting_for_another_process_times_out_in_one_line(corpus):
@@ -148,4 +172,5 @@ def test_waiting_for_another_process_times_out_in_one_line(corpus):
             console=quiet()[0],
         )
     folder = prep.shard_folder(prep.open_corpus(spec), tok, cache, UNIT)
-    assert sorted(p.name for p in folder.glob("*.json")) == [f"{unit_stem(i)}.json" for i in (0, 2, 4)]
+    n = len(open_corpus(spec).units(UNIT))
+    assert sorted(p.name for p in folder.glob("*.json")) == [f"{unit_stem(i)}.json" for i in range(0, n, 2)]
