@@ -22,7 +22,8 @@ import numpy as np
 
 from meshlm.data.chat import tokenize_chat
 from meshlm.data.corpus import is_synthetic
-from meshlm.data.loader import pack_rows, read_rows, tokenize_corpus
+from meshlm.data.loader import pack_rows, read_rows
+from meshlm.data.prepare import prepare_tokens
 from meshlm.data.shuffle import EVAL_SEED, Bijection, Rows
 from meshlm.errors import UsageError
 
@@ -140,7 +141,14 @@ def make_eval_batches(
         chat = tokenize_chat(eval_dataset, L.tokenizer, L.seq_len, L.chat, cache_dir=cache_dir, text_field=text_field)
         tokens, flags = chat.tokens, chat.flags
     else:
-        tokens = tokenize_corpus(eval_dataset, L.tokenizer, cache_dir=cache_dir, text_field=text_field)
+        tokens = prepare_tokens(
+            eval_dataset,
+            L.tokenizer,
+            cache_dir=cache_dir,
+            text_field=text_field,
+            process_index=L.process_index,
+            process_count=L.process_count,
+        )
     num_rows = max(len(tokens) - 1, 0) // L.seq_len
     rows = Rows(num_rows, Bijection(num_rows, (EVAL_SEED,)))  # a sample spread over the whole dataset
     return EvalBatches(tokens, rows, source=f"--eval_dataset={eval_dataset}", flags=flags, **common)

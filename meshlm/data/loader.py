@@ -1,7 +1,7 @@
 """Packing and per-process loading: token ids in, one process's share of each global batch out.
 
-Every document is tokenized, closed by the end-of-text id and concatenated into one cached stream
-(`meshlm.data.token_cache`); row r is the `seq_len + 1` tokens from `r * seq_len`. A batch holds
+Every document is tokenized, closed by the end-of-text id and concatenated into one stream of
+memory-mapped shards (`meshlm.data.prepare`, the processes sharing the work); row r is the `seq_len + 1` tokens from `r * seq_len`. A batch holds
 `inputs`, `targets`, `segment_ids`, `positions` and `loss_mask`, each `[rows, seq_len]`. Step s
 reads rows of the epoch's permutation seeded by (seed, epoch); process p of P takes its slice of the
 global batch, and `batch(step)` is a pure function of the step, so resuming is exact. The order is a
@@ -26,6 +26,7 @@ from rich.console import Console
 from meshlm.data.chat import LOSS_ON, ChatOptions, is_chat_dataset, pack_chat_rows, tokenize_chat
 from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
 from meshlm.data.prefetch import DEFAULT_DEPTH, Prefetcher
+from meshlm.data.prepare import prepare_tokens
 from meshlm.data.shuffle import EVAL_SEED, Bijection, RowOrder, Rows
 from meshlm.data.token_cache import DamagedCache, TokenStream, open_token_cache
 from meshlm.errors import UsageError
@@ -57,7 +58,7 @@ def read_rows(tokens, flags, row_ids, seq_len: int, eos_id: int) -> dict[str, np
     """The batch of rows `row_ids` of a packed stream (row r: `seq_len + 1` tokens from `r * seq_len`),
     plain text (`flags` None) or chat data with its flags stream."""
     T = seq_len
-    if isinstance(tokens, TokenStream):
+    if isinstance(tokens, TokenStream) or hasattr(tokens, "ensure_intact"):
         tokens.ensure_intact()  # a file truncated under its memory map would kill the process (SIGBUS)
     rows = np.stack([tokens[r * T : r * T + T + 1] for r in row_ids])
     if flags is None:
@@ -221,7 +222,14 @@ class DataLoader:
             )
             self.tokens, self.flags = self.chat_data.tokens, self.chat_data.flags
         else:
-            self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
+            self.tokens = prepare_tokens(  # memory-mapped shards; the processes share the tokenizing
+                spec,
+                tokenizer,
+                cache_dir=cache_dir,
+                text_field=text_field,
+                process_index=process_index,
+                process_count=process_count,
+            )
         self.num_rows = max(len(self.tokens) - 1, 0) // seq_len
         n_held = held_out_count(self.num_rows, self.eval_split) if self.eval_split else 0
         self.order = RowOrder(self.num_rows, n_held, seed, shuffle)

@@ -206,7 +206,9 @@ class MixtureLoader:
                 source.dataset,
                 self.tokenizer,
                 self.seq_len,
-                1,
+                self.process_count,  # one row per process: the processes share the tokenizing
+                self.process_index,
+                self.process_count,
                 seed=self.seed,
                 shuffle=options.get("shuffle", True),
                 cache_dir=self.cache_dir,

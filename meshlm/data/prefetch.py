@@ -4,14 +4,16 @@
 `DataLoader.batch`) on its own thread into a bounded queue. `get(step)` returns batch `step`: the next
 one queued, or, when asked for another step than the one queued next (a restore), it stops the thread
 and starts reading again from that step. An error raised while reading is raised again in the thread
-that calls `get`, with its message. `close()` stops the thread; it is a daemon, so a run that never
-closes it still exits.
+that calls `get`, with its message. `close()` stops the thread; it holds its loader weakly, so a
+loader dropped without `close()` stops it too, and it is a daemon, so a run still exits.
 """
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 DEFAULT_DEPTH = 3
@@ -22,7 +24,9 @@ class Prefetcher:
     def __init__(self, produce: Callable[[int], dict], depth: int = DEFAULT_DEPTH):
         if depth < 1:
             raise ValueError(f"prefetch depth {depth} must be >= 1")
-        self.produce, self.depth = produce, depth
+        # a bound method is held weakly: the thread must not keep its loader alive
+        self._produce = weakref.WeakMethod(produce) if inspect.ismethod(produce) else (lambda: produce)
+        self.depth = depth
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -57,11 +61,15 @@ class Prefetcher:
 
     def _run(self, step: int, stop: threading.Event, out: queue.Queue) -> None:
         while not stop.is_set():
+            produce = self._produce()
+            if produce is None:  # the loader is gone
+                return
             try:
-                item = self.produce(step)
+                item = produce(step)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread, raised there
                 item = e
-            while not stop.is_set():
+            del produce
+            while not stop.is_set() and self._produce() is not None:
                 try:
                     out.put((step, item), timeout=_POLL_S)
                     break

@@ -1,7 +1,7 @@
 """Reading ahead on a thread: the same batches as reading in place, bounded, re-positioned on a jump,
 errors raised in the caller with their message, stopped by close()."""
 
-import threading
+import gc
 import time
 
 import numpy as np
@@ -54,4 +54,14 @@ def test_a_loader_reads_ahead_the_batches_it_would_read_in_place():
         ahead.restore({"step": 1})
         np.testing.assert_array_equal(next(ahead)["inputs"], in_place.batch(1)["inputs"])
         assert ahead.step == 2
-    assert not any(t.name == "meshlm-prefetch" and t.is_alive() for t in threading.enumerate())
+    assert not ahead._prefetcher.running
+
+
+def test_a_dropped_loader_stops_its_thread():
+    loader = make_loader("synthetic", SyntheticTokenizer(64), 8, 4, prefetch=2)
+    next(loader)
+    thread = loader._prefetcher._thread
+    del loader
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
