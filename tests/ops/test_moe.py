@@ -52,10 +52,26 @@ def value_and_grads(fn, args, dy):
 
 @functools.cache
 def compiled(k, renormalize, capacity_factor=None):
-    def ours(*args):
-        return moe_mlp(*args, k=k, renormalize=renormalize, capacity_factor=capacity_factor)[0]
+    """jit of (args, dy) -> (y, grads, aux) for `moe_mlp`; shared by the cases with these settings."""
+    kw = dict(k=k, renormalize=renormalize, capacity_factor=capacity_factor)
 
-    return jax.jit(lambda args, dy: value_and_grads(ours, args, dy))
+    def run(args, dy):
+        y, grads = value_and_grads(lambda *a: moe_mlp(*a, **kw)[0], args, dy)
+        return y, grads, moe_mlp(*args, **kw)[1]
+
+    return jax.jit(run)
+
+
+@functools.cache
+def jitted_moe(k, renormalize):
+    return jax.jit(functools.partial(moe_mlp, k=k, renormalize=renormalize))
+
+
+@functools.cache
+def compiled_reference(k, renormalize):
+    """jit of (args, dy, keep) -> (y, grads) for the per-expert loop."""
+    return jax.jit(lambda args, dy, keep: value_and_grads(
+        functools.partial(reference_moe, k=k, renormalize=renormalize, keep=keep), args, dy))  # fmt: skip
 
 
 def kept_by_count(experts: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
@@ -94,11 +110,10 @@ def test_route_softmax_top_k():
 def test_dropless_equals_reference(num_experts, k, renormalize):
     args = make_weights(num_experts, seed=num_experts + k)
     dy = jax.random.normal(jax.random.key(7), (N, E))
-    got = compiled(k, renormalize)(args, dy)
-    want = value_and_grads(functools.partial(reference_moe, k=k, renormalize=renormalize), args, dy)
+    *got, aux = compiled(k, renormalize)(args, dy)
+    want = compiled_reference(k, renormalize)(args, dy, None)
     assert float(jnp.abs(got[0]).max()) > 1e-2  # the experts contribute
     assert_close_tree(got, want)
-    _, aux = moe_mlp(*args, k=k, renormalize=renormalize)
     assert float(aux["dropped_fraction"]) == 0.0
     assert float(aux["load"].sum()) == N * k
 
@@ -112,11 +127,10 @@ def test_capacity_drops_what_an_independent_count_drops(k):
     probs = np.asarray(jax.nn.softmax(args[0] @ args[1], -1))
     keep = kept_by_count(np.argsort(-probs, 1, kind="stable")[:, :k], num_experts, capacity)
     assert 0 < (~keep).sum()
-    _, aux = moe_mlp(*args, k=k, renormalize=True, capacity_factor=factor)
-    np.testing.assert_allclose(float(aux["dropped_fraction"]), (~keep).sum() / keep.size, rtol=1e-6)
     dy = jax.random.normal(jax.random.key(8), (N, E))
-    got = compiled(k, True, factor)(args, dy)
-    want = value_and_grads(functools.partial(reference_moe, k=k, renormalize=True, keep=keep), args, dy)
+    *got, aux = compiled(k, True, factor)(args, dy)
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), (~keep).sum() / keep.size, rtol=1e-6)
+    want = compiled_reference(k, True)(args, dy, jnp.asarray(keep))
     assert_close_tree(got, want)
 
 
@@ -145,7 +159,7 @@ def test_aux_losses_equal_transformers_and_the_z_formula(k):
         want = transformers_balance_loss(logits, num_experts, k, m)
         got = load_balancing_loss(jnp.asarray(logits), chosen, num_experts, k, mask=m)
         np.testing.assert_allclose(float(got), want, rtol=1e-5)
-        _, aux = moe_mlp(x, router_w, *experts_w, k=k, renormalize=True, mask=m)
+        _, aux = jitted_moe(k, True)(x, router_w, *experts_w, mask=m)
         np.testing.assert_allclose(float(aux["load_balancing_loss"]), want, rtol=1e-5)
         keep = np.ones(N) if m is None else m
         lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
@@ -157,23 +171,38 @@ def test_aux_losses_equal_transformers_and_the_z_formula(k):
 def test_mask_keeps_padding_out_of_the_experts():
     args = make_weights(4, seed=5)
     mask = (np.arange(N) % 3 != 0).astype(np.float32)
-    y, aux = moe_mlp(*args, k=2, renormalize=True, mask=mask)
-    want = reference_moe(*args, k=2, renormalize=True)
+    y, aux = jitted_moe(2, True)(*args, mask=mask)
+    want = compiled_reference(2, True)(args, jnp.zeros((N, E)), None)[0]
     np.testing.assert_allclose(np.asarray(y)[mask == 1], np.asarray(want)[mask == 1], atol=1e-5)
     assert not np.asarray(y)[mask == 0].any()
     assert float(aux["load"].sum()) == 2 * mask.sum()
 
 
-def test_mixtral_sparse_moe_block():
+def sparse_moe_block(family: str, renormalize: bool):
+    """A tiny transformers MoE block (hidden 16, experts' hidden 32, 4 experts, top 2), random weights."""
     torch = pytest.importorskip("torch")
-    from transformers import MixtralConfig
+    import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    shape = dict(hidden_size=16, num_experts_per_tok=2)
+    if family == "mixtral":
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, **shape))
+    else:
+        config = transformers.Qwen3MoeConfig(
+            moe_intermediate_size=32, num_experts=4, norm_topk_prob=renormalize, **shape
+        )
+        block = Qwen3MoeSparseMoeBlock(config)
     torch.manual_seed(0)
-    block = MixtralSparseMoeBlock(config).eval()
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    return block.eval()
+
+
+@pytest.mark.parametrize("family, renormalize", [("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_transformers_sparse_moe_block(family, renormalize):
+    torch = pytest.importorskip("torch")
+    block = sparse_moe_block(family, renormalize)
     hidden = torch.randn(2, 5, 16)
     with torch.no_grad():
         want = block(hidden).numpy()
@@ -181,7 +210,7 @@ def test_mixtral_sparse_moe_block():
     down = block.experts.down_proj.detach().numpy()  # [X, E, M]
     w_gate, w_up = gate_up[:, :32].transpose(0, 2, 1), gate_up[:, 32:].transpose(0, 2, 1)
     router_w = block.gate.weight.detach().numpy().T  # [E, X]
-    y, _ = moe_mlp(jnp.asarray(hidden.numpy().reshape(10, 16)), router_w, w_gate, w_up, down.transpose(0, 2, 1),
-                   k=2, renormalize=True)  # fmt: skip
+    x = hidden.numpy().reshape(10, 16)
+    y, _ = jitted_moe(2, renormalize)(x, router_w, w_gate, w_up, down.transpose(0, 2, 1))
     assert np.abs(want).max() > 1e-2
     np.testing.assert_allclose(np.asarray(y).reshape(2, 5, 16), want, atol=1e-5)
