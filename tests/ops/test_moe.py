@@ -214,3 +214,11 @@ def test_transformers_sparse_moe_block(family, renormalize):
     y, _ = jitted_moe(2, renormalize)(x, router_w, w_gate, w_up, down.transpose(0, 2, 1))
     assert np.abs(want).max() > 1e-2
     np.testing.assert_allclose(np.asarray(y).reshape(2, 5, 16), want, atol=1e-5)
+
+
+def test_bfloat16_runs_in_bfloat16_and_matches_float32_on_the_same_values():
+    args = [a.astype(jnp.bfloat16) for a in make_weights(4, seed=9)]
+    y, aux = jitted_moe(2, True)(*args)
+    want, _ = jitted_moe(2, True)(*[a.astype(jnp.float32) for a in args])
+    assert y.dtype == jnp.bfloat16 and aux["load_balancing_loss"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
