@@ -18,6 +18,8 @@ tokens drawn from a stream the training batches never use.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from meshlm.data.chat import tokenize_chat
@@ -136,7 +138,8 @@ def make_eval_batches(
         )
     if is_synthetic(eval_dataset):
         return EvalBatches(None, None, **common)
-    flags = None
+    flags: Any = None
+    tokens: Any = None
     if getattr(L, "chat", None) is not None:  # chat training data: the evaluation conversations rendered alike
         chat = tokenize_chat(eval_dataset, L.tokenizer, L.seq_len, L.chat, cache_dir=cache_dir, text_field=text_field)
         tokens, flags = chat.tokens, chat.flags

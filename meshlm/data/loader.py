@@ -18,14 +18,14 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 
 from meshlm.data.chat import LOSS_ON, ChatOptions, is_chat_dataset, pack_chat_rows, tokenize_chat
 from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
-from meshlm.data.prefetch import DEFAULT_DEPTH, Prefetcher
+from meshlm.data.prefetch import DEFAULT_DEPTH, ReadsAhead
 from meshlm.data.prepare import prepare_tokens
 from meshlm.data.shuffle import EVAL_SEED, Bijection, RowOrder, Rows
 from meshlm.data.token_cache import DamagedCache, TokenStream, open_token_cache
@@ -161,7 +161,7 @@ def tokenize_corpus(
     return tokens
 
 
-class DataLoader:
+class DataLoader(ReadsAhead):
     """This process's share of every global batch, forever, deterministic given the seed.
 
     Iterate it (`next(loader)` is the batch at `loader.step`, then the step advances; with `prefetch`
@@ -208,7 +208,7 @@ class DataLoader:
         self.held_out: Rows | None = None  # None: every row trains (and synthetic data has no rows)
         self.order: RowOrder | None = None
         self.prefetch = int(prefetch)
-        self._prefetcher: Prefetcher | None = None
+        self.tokens: Any = None  # the packed stream: prepared shards, or a chat cache's tokens
         self.text_field, self.cache_dir = text_field, cache_dir
         self.chat = chat_options(spec, text_field, chat_template, loss_on, long_conversations)
         self.flags = self.chat_data = None  # chat data only: which targets count, where conversations start
@@ -293,30 +293,6 @@ class DataLoader:
             "segment_ids": np.ones(shape, np.int32),
             "loss_mask": np.ones(shape, np.float32),
         }
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if self.prefetch > 0:
-            if self._prefetcher is None:
-                self._prefetcher = Prefetcher(self.batch, self.prefetch)
-            batch = self._prefetcher.get(self.step)
-        else:
-            batch = self.batch(self.step)
-        self.step += 1
-        return batch
-
-    def close(self) -> None:
-        """Stop reading ahead (`next` starts again where the loader is)."""
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def log_fields(self) -> dict[str, float]:
         """Extra per-step metrics (a mixture's tokens per source); none for one dataset."""

@@ -17,6 +17,7 @@ epochs. Nothing but the step needs saving to resume; the saved state names each 
 
 from __future__ import annotations
 
+import importlib
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from rich.console import Console
 from meshlm.data.corpus import is_synthetic
 from meshlm.data.loader import DataLoader
 from meshlm.data.loader import make_loader as make_dataset_loader
-from meshlm.data.prefetch import DEFAULT_DEPTH, Prefetcher
+from meshlm.data.prefetch import DEFAULT_DEPTH, ReadsAhead
 from meshlm.data.shuffle import Rows
 from meshlm.errors import UsageError
 
@@ -86,7 +87,7 @@ def _load(file: Path) -> object:
         except tomllib.TOMLDecodeError as e:
             raise UsageError(f"{file}: not valid TOML ({e}); fix the file") from None
     try:
-        import yaml
+        yaml = importlib.import_module("yaml")
     except ImportError:
         raise UsageError(
             f"{file}: reading a YAML mixture needs PyYAML; pip install pyyaml, or write it as .toml"
@@ -174,7 +175,7 @@ def first_rows(r: int, w: tuple[float, ...]) -> np.ndarray:
     return counts
 
 
-class MixtureLoader:
+class MixtureLoader(ReadsAhead):
     """A `DataLoader`'s interface over a mixture: `batch(step)`, `next`, `state`/`restore`, held-out
     rows per source (`eval_split`), and `log_fields()` (tokens read from each source so far)."""
 
@@ -191,13 +192,12 @@ class MixtureLoader:
         self.local_batch_size = probe.local_batch_size  # the checks of batch and process split, once
         self.sources = [self._open(s, options) for s in mixture.sources]
         self.names = [s.name for s in mixture.sources]
-        self.num_rows = sum(int(s.num_rows) for s in self.sources)
+        self.num_rows = sum(s.num_rows or 0 for s in self.sources)
         self.steps_per_epoch: int | None = None  # each source has its own epochs
-        self._prefetcher: Prefetcher | None = None
         self._phase_counts = self._phase_starts()
         self.held_out: Rows | None = None
         if self.eval_split:
-            per_source = min(len(s.held_out) for s in self.sources)
+            per_source = min(_held_count(s) for s in self.sources)
             self.held_out = Rows(per_source * len(self.sources), lambda q: np.asarray(q, dtype=np.int64))
 
     def _open(self, source: Source, options: dict) -> DataLoader:
@@ -271,19 +271,14 @@ class MixtureLoader:
             )
         return lines
 
-    __iter__ = DataLoader.__iter__
-    __next__ = DataLoader.__next__
-    close = DataLoader.close
-    __enter__, __exit__ = DataLoader.__enter__, DataLoader.__exit__
-
     @property
     def epoch(self) -> int:
         return 0
 
     def state(self) -> dict:
         """The step of the next batch, the seed, and each source's row and held-out row counts."""
-        rows = {n: int(s.num_rows) for n, s in zip(self.names, self.sources)}
-        held = {n: len(s.held_out) if s.held_out is not None else 0 for n, s in zip(self.names, self.sources)}
+        rows = {n: s.num_rows or 0 for n, s in zip(self.names, self.sources)}
+        held = {n: _held_count(s) for n, s in zip(self.names, self.sources)}
         return {"step": self.step, "seed": self.seed, "rows": self.num_rows, "sources": rows, "held_out": held}
 
     def restore(self, state: dict) -> None:
@@ -299,6 +294,10 @@ class MixtureLoader:
                 )
         self.close()
         self.step = int(state["step"])
+
+
+def _held_count(loader: DataLoader) -> int:
+    return len(loader.held_out) if loader.held_out is not None else 0
 
 
 def make_loader(dataset: str, tokenizer, seq_len: int, global_batch_size: int, *args, **kwargs):

@@ -90,3 +90,39 @@ class Prefetcher:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+class ReadsAhead:
+    """Iteration for a loader with `batch(step)`, `step` and `prefetch` (depth; 0 reads in place):
+    `next()` gives the batch at `step` and advances; `close()` (or leaving a `with`) stops the thread."""
+
+    step: int
+    prefetch: int
+    _prefetcher: Prefetcher | None = None
+
+    def batch(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.prefetch > 0:
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(self.batch, self.prefetch)
+            batch = self._prefetcher.get(self.step)
+        else:
+            batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop reading ahead (`next` starts again where the loader is)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -19,7 +19,8 @@ class StepClock:
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step, self.tokens_since, self.t_last = tokens_per_step, 0, time.perf_counter()
         self.compile_seconds: float | None = None
-        self.data_wait, self.batches_taken, self.data_fields = 0.0, 0, {}
+        self.data_wait, self.batches_taken = 0.0, 0
+        self.data_fields: dict = {}
 
     def next_batch(self, loader) -> dict:
         """The loader's next batch, the time waited for it counted."""
