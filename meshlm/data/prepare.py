@@ -134,9 +134,12 @@ def _start_worker(tokenizer: Tokenizer, progress, threads: int) -> None:
 
 def _worker_unit(unit, folder: Path, index: int, eos_id: int, dtype: str, process_index: int) -> dict:
     tokenizer, progress = _WORKER["tokenizer"], _WORKER["progress"]
+    # The tokenizer's own copy that encodes special-token text as text (`encode_batch(special_as_text=True)`),
+    # called without character offsets, which nothing here reads: a sixth less work.
+    as_text = tokenizer._plain_text_tokenizer()
 
     def encode(texts):
-        return tokenizer.encode_batch(texts, special_as_text=True)
+        return [e.ids for e in as_text.encode_batch_fast(texts, add_special_tokens=False)]
 
     return write_unit(unit, folder, index, encode, eos_id, dtype, lambda *n: progress.put(n), process_index)
 
