@@ -2,8 +2,7 @@
 each as a fraction of the step time of the same shape, measured in the same run.
 
 A corpus of random words is generated (--mb of text, JSONL), a byte-level BPE of the tiny model's
-vocabulary is trained on it and the corpus tokenized (`tokenize_corpus`, cached under a temporary
-folder), then for each shape (batch x seq: 8 x 256, bench/train_throughput.py's, and 8 x 1024):
+vocabulary is trained on it and the corpus tokenized under a temporary folder into memory-mapped shards (`prepare_tokens`), then for each shape (batch x seq: 8 x 256, bench/train_throughput.py's, and 8 x 1024):
 
 1. `loader.batch(step)` over --steps shuffled steps (memory-mapped rows, read in place): median ms;
 2. the tiny model's train step on one device at that shape (after a compiling warm-up): median ms;
@@ -30,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshlm.data.loader import make_loader, tokenize_corpus  # noqa: E402
+from meshlm.data.loader import make_loader  # noqa: E402
+from meshlm.data.prepare import prepare_tokens  # noqa: E402
 from meshlm.data.tokenizer import train_tokenizer  # noqa: E402
 from meshlm.mesh import build_mesh, parse_mesh_dim  # noqa: E402
 from meshlm.models.placement import place  # noqa: E402
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         corpus = str(write_corpus(folder, args.mb))
         t0 = time.perf_counter()
         tok = train_tokenizer(corpus, cfg.vocab_size, cache_dir=folder)
-        tokens = tokenize_corpus(corpus, tok, cache_dir=folder)
+        tokens = prepare_tokens(corpus, tok, cache_dir=folder)
         prep_s = time.perf_counter() - t0
         results = [measure(corpus, tok, cfg, b, s, args.steps, folder) for b, s in SHAPES]
     out = {"tokens": int(len(tokens)), "prepare_s": prep_s, "shapes": results}
