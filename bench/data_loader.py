@@ -2,7 +2,9 @@
 each as a fraction of the step time of the same shape, measured in the same run.
 
 A corpus of random words is generated (--mb of text, JSONL), a byte-level BPE of the tiny model's
-vocabulary is trained on it and the corpus tokenized under a temporary folder into memory-mapped shards (`prepare_tokens`), then for each shape (batch x seq: 8 x 256, bench/train_throughput.py's, and 8 x 1024):
+vocabulary is trained on it and the corpus tokenized into memory-mapped shards (`prepare_tokens`,
+under a temporary folder), then for each shape (batch x seq: 8 x 256, bench/train_throughput.py's,
+and 8 x 1024):
 
 1. `loader.batch(step)` over --steps shuffled steps (memory-mapped rows, read in place): median ms;
 2. the tiny model's train step on one device at that shape (after a compiling warm-up): median ms;
