@@ -10,7 +10,8 @@ contiguous [B, max_blocks · block_size, K, D] cache and runs `meshlm.ops.decode
 with the positions the table holds, so the masking rules (causal, window, soft cap, scale) are that
 module's. `ring=True` reads a sliding-window layer's table as a ring (position p in logical slot
 p mod (max_blocks · block_size), like `meshlm.models.layers.LayerCache`). `ragged_paged_attention_tpu`
-calls JAX's Pallas TPU ragged paged attention kernel on the same arguments (TPU only). docs/paged.md.
+calls JAX's Pallas TPU ragged paged attention kernel on the same arguments (TPU only);
+`paged_attention_gpu` JAX's Pallas GPU paged decode kernel (one query per row, no window). docs/paged.md.
 """
 
 from __future__ import annotations
@@ -112,9 +113,42 @@ def ragged_paged_attention_tpu(
     return out[: b * t].reshape(b, t, h, d)
 
 
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def paged_attention_gpu(
+    q, k_pages, v_pages, block_tables, context_lens, *, softcap=0.0, scale=None, interpret=False, k_splits=16
+):
+    """`paged_decode_attention` for one query per row at its newest position (q [B, 1, H, D]) through
+    JAX's Pallas GPU paged attention (Triton): no window, so global layers only. The kernel reads
+    heads-major pages [K, P, block_size, D] (transposed here: a cache kept for it would be stored so)
+    and splits each row's table into up to `k_splits` parts whose partial softmaxes it merges."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    b, t, h, d = q.shape
+    if t != 1:
+        raise NotImplementedError(f"the GPU paged kernel takes one query per row, not {t}")
+    splits = _largest_divisor(block_tables.shape[1], k_splits)
+    per_split = block_tables.shape[1] // splits
+    out = paged_attention(
+        (q[:, 0].astype(jnp.float32) * score_scale(scale, d)).astype(q.dtype),
+        jnp.transpose(k_pages, (2, 0, 1, 3)),
+        jnp.transpose(v_pages, (2, 0, 1, 3)),
+        block_tables.astype(jnp.int32),
+        context_lens.astype(jnp.int32),
+        k_splits=splits,
+        pages_per_compute_block=_largest_divisor(per_split, 8),
+        attn_logits_soft_cap=softcap or None,
+        interpret=interpret,
+    )
+    return out.reshape(b, 1, h, d)
+
+
 __all__ = [
     "combine_kv_pages",
     "gather_pages",
+    "paged_attention_gpu",
     "paged_decode_attention",
     "ragged_inputs",
     "ragged_kernel",

@@ -1,8 +1,11 @@
 """Paged attention equals the contiguous decode attention on the same keys and values: shuffled block
 ids, rows of different lengths, grouped queries, window, soft cap and scale, one query or a chunk of
 prefill, linear and ring tables; pages written then read back equal the contiguous cache; the TPU
-wrapper's arguments give the same result through JAX's reference of the ragged kernel."""
+wrapper's arguments give the same result through JAX's reference of the ragged kernel; the GPU
+wrapper's (Pallas paged decode kernel) in interpret mode, and on a GPU where JAX has one
+(`JAX_PLATFORMS=cuda pytest tests/ops/test_paged.py` on a GPU machine)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from meshlm.ops.decode import decode_attention
 from meshlm.ops.paged import (
     gather_pages,
+    paged_attention_gpu,
     paged_decode_attention,
     ragged_kernel,
     ragged_paged_attention_tpu,
@@ -147,3 +151,32 @@ def test_tpu_wrapper_arguments_give_the_same_result_through_the_kernel_reference
     got = ragged_paged_attention_tpu(*args, kernel=kernel_module.ref_ragged_paged_attention, **kw)
     want = paged_decode_attention(*args, last_positions(lengths, t), **kw)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def gpu_case(rng, lengths, h, kvh, d, dtype):
+    """A decode step's query [B, 1, H, d] and pages of `dtype` filled through shuffled tables of 4 blocks."""
+    tables = random_tables(rng, len(lengths), 4)
+    pages = [jnp.asarray(rng.standard_normal((PAGES, BLOCK, kvh, d)), dtype) for _ in range(2)]
+    q = jnp.asarray(rng.standard_normal((len(lengths), 1, h, d)), dtype)
+    return q, *pages, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(softcap=2.0, scale=0.3)], ids=["plain", "softcap-scale"])
+def test_gpu_wrapper_in_interpret_mode_equals_the_reference(kw):
+    args = gpu_case(np.random.default_rng(4), [5, 16, 9], 4, 2, 16, jnp.float32)
+    got = paged_attention_gpu(*args, interpret=True, **kw)
+    want = paged_decode_attention(*args, last_positions([5, 16, 9], 1), **kw)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="one query per row"):
+        paged_attention_gpu(jnp.concatenate([args[0]] * 2, axis=1), *args[1:], interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (JAX's default backend here is not gpu)")
+def test_gpu_wrapper_on_a_gpu_equals_the_reference():
+    """bfloat16 pages at a GPU-sized head (8 query / 2 kv heads of 128) against the float32 reference."""
+    lengths = [5, 16, 9, 1]
+    args = gpu_case(np.random.default_rng(5), lengths, 8, 2, 128, jnp.bfloat16)
+    got = jax.jit(paged_attention_gpu)(*args)
+    want = paged_decode_attention(*(a.astype(jnp.float32) if i < 3 else a for i, a in enumerate(args)),
+                                  last_positions(lengths, 1))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2)
