@@ -4,7 +4,7 @@ before training; several processes (hosts sharing the cache folder) split the wo
 from __future__ import annotations
 
 from meshlm import config
-from meshlm.cli.flags import Parser, add_section_flags
+from meshlm.cli.flags import Parser, add_dataclass_flags, add_section_flags
 from meshlm.errors import UsageError
 
 ACTIONS = ("prepare",)
@@ -20,7 +20,12 @@ def parser() -> Parser:
     add_section_flags(p, config.ChatDataConfig, title="text", only=("text_field",))
     vocab = p.add_argument_group("the default tokenizer (a BPE trained on the dataset, as meshlm train does)")
     vocab.add_argument("--vocab_size", type=int, help="its vocabulary [default: --model's vocab_size]")
-    vocab.add_argument("--model", help="take the vocabulary from this preset or config.json [default: tiny]")
+    add_dataclass_flags(
+        vocab,
+        config.ModelSection,
+        only=("model",),
+        meaning={"model": "take --vocab_size from this preset or config.json [default: tiny]"},
+    )
     work = p.add_argument_group("preparation")
     work.add_argument("--workers", type=int, help="worker processes [default: the CPU count, at most the units]")
     work.add_argument(

@@ -26,6 +26,8 @@ BAD = [
     (["data", "prepare", "--unit_mb=0"], "--unit_mb=0.0 must be positive"),
     (["data", "prepare", "--text_field= "], "--text_field is empty"),
     (["data", "prepare", "--tokenizer=/no/such/dir"], "tokenizer '/no/such/dir' not found"),
+    (["data", "prepare", "--model=llama3-8"], "did you mean --model=llama3-8b?"),
+    (["data", "prepare", "--vocab_size=1"], "--vocab_size=1 must be at least 2"),
 ]
 
 
@@ -35,6 +37,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1, err
+
+
+def test_the_default_tokenizer_is_the_bpe_train_trains(tmp_path, capsys):
+    spec = make_corpus(tmp_path / "corpus")
+    assert main(["data", "prepare", f"--dataset={spec}", "--vocab_size=300", f"--cache_dir={tmp_path}"]) == 0
+    tok = train_tokenizer(spec, 300, cache_dir=tmp_path)  # the one just trained, from the cache
+    (folder,) = (tmp_path / "shards").iterdir()
+    np.testing.assert_array_equal(np.asarray(TokenShards(folder)), reference_ids(spec, tok))
+    assert f"-> {folder}" in capsys.readouterr().err
 
 
 def test_two_processes_prepare_one_corpus_together(tmp_path):
