@@ -159,3 +159,20 @@ def test_yaml_reads_like_toml(folder):
 def test_a_missing_mixture_file_names_it(folder):
     with pytest.raises(UsageError, match="does not exist"):
         read_mixture(str(folder / "nope.toml"))
+
+
+def test_yaml_without_pyyaml_says_how_to_get_it(folder, monkeypatch):
+    import meshlm.data.mixture as mixture
+
+    real = mixture.importlib.import_module
+
+    def no_yaml(name, *a):
+        if name == "yaml":
+            raise ImportError("No module named 'yaml'")
+        return real(name, *a)
+
+    monkeypatch.setattr(mixture.importlib, "import_module", no_yaml)
+    spec = mix_file(folder, "sources: []\n", "plain.yml")
+    with pytest.raises(UsageError, match="pip install pyyaml, or write it as .toml") as err:
+        read_mixture(spec)
+    assert spec in str(err.value)

@@ -65,3 +65,20 @@ def test_a_dropped_loader_stops_its_thread():
     gc.collect()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_a_loaders_read_error_reaches_the_training_thread():
+    loader = make_loader("synthetic", SyntheticTokenizer(64), 8, 4, prefetch=2)
+    good = loader.batch
+
+    def failing(step):
+        if step == 3:
+            raise OSError(f"unit-00007.npy could not be read at step {step}")
+        return good(step)
+
+    loader.batch = failing
+    with loader:
+        for _ in range(3):
+            next(loader)
+        with pytest.raises(OSError, match="unit-00007.npy could not be read at step 3"):
+            next(loader)
