@@ -6,9 +6,8 @@ num_rows)` rows of the packed corpus with a generator of its own (`EVAL_SEED`), 
 on the row count and the fraction alone, not on `--seed`: runs with different seeds are evaluated on
 the same rows. The training loader (`DataLoader(eval_split=...)`) then shuffles only the other rows,
 so a held-out row never reaches a training batch. `--eval_dataset` rows are sampled with the same
-key, spread over the whole dataset. Both are keyed orders (`meshlm.data.shuffle`), computed for the
-rows an evaluation reads: nothing the size of the corpus is drawn. A mixture's held-out rows are
-each source's, taken in turn.
+key over the whole dataset. Both are keyed orders (`meshlm.data.shuffle`), computed for the rows an
+evaluation reads; a mixture's held-out rows are each source's, taken in turn.
 
 Batches: evaluation batch b takes the rows `b*B .. b*B+B-1` of the evaluation rows (B the global
 batch size), and process p of P reads only its rows `p*B/P .. (p+1)*B/P - 1` of it, the way the
