@@ -43,8 +43,8 @@ _POLL = 0.5
 
 def unit_source(unit) -> str:
     """What the summary counts a unit under: its file when all its input is one file, else its label."""
-    paths = {getattr(p, "path", None) for p in getattr(unit, "pieces", ())}
-    return paths.pop() if len(paths) == 1 and None not in paths else unit.label
+    paths = {str(getattr(p, "path", "")) for p in getattr(unit, "pieces", ())}
+    return paths.pop() if len(paths) == 1 and "" not in paths else unit.label
 
 
 def unit_size(corpus) -> int:

@@ -50,14 +50,16 @@ class UnitProgress:
     @staticmethod
     def summary(console: Console, shards, done: int) -> None:
         """One line: where the shards are and their totals (`done` units encoded by this run), then one per source."""
-        say = dict(markup=False, highlight=False, soft_wrap=True)
-        console.print(
+
+        def say(line: str) -> None:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+        say(
             f"[meshlm] token shards of {shards.manifest['corpus']}: {shards.documents:,} documents, {len(shards):,} "
-            f"tokens in {len(shards.units)} units ({done} encoded now) -> {shards.folder}",
-            **say,
+            f"tokens in {len(shards.units)} units ({done} encoded now) -> {shards.folder}"
         )
         sources = list(shards.tokens_per_source().items())
         for label, (documents, tokens) in sources[:MAX_SOURCES]:
-            console.print(f"[meshlm]   {label}: {documents:,} documents, {tokens:,} tokens", **say)
+            say(f"[meshlm]   {label}: {documents:,} documents, {tokens:,} tokens")
         if len(sources) > MAX_SOURCES:
-            console.print(f"[meshlm]   ... and {len(sources) - MAX_SOURCES} more sources", **say)
+            say(f"[meshlm]   ... and {len(sources) - MAX_SOURCES} more sources")
