@@ -21,6 +21,7 @@ COMMANDS = {
     "eval": ("eval", "run", "lm-evaluation-harness tasks on a checkpoint, in-process on the mesh"),
     "convert": ("convert", "convert", "Hugging Face LLaMA weights in (--from_hf) or out (--to_hf)"),
     "export": ("convert", "export", "a checkpoint's parameters only, for serving"),
+    "data": ("data", "run", "data prepare: tokenize a dataset in parallel into token shards, once"),
 }
 
 

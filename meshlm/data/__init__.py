@@ -8,6 +8,7 @@ loading (`loader.py`).
 
     loader = make_loader(..., eval_split=0.01)            # 1% of the rows never train ...
     evals = make_eval_batches(loader, None, n_batches=4)  # ... and are evaluated (heldout.py)
+    loader = make_loader("mix.toml", tok, ...)             # several datasets by weight (mixture.py)
 """
 
 from meshlm.data.corpus import (
@@ -19,7 +20,8 @@ from meshlm.data.corpus import (
     open_corpus,
 )
 from meshlm.data.heldout import EvalBatches, make_eval_batches
-from meshlm.data.loader import DataLoader, held_out_rows, make_loader, pack_rows, tokenize_corpus
+from meshlm.data.loader import DataLoader, held_out_rows, pack_rows, tokenize_corpus
+from meshlm.data.mixture import MixtureLoader, is_mixture, make_loader
 from meshlm.data.tokenizer import (
     EOS_TOKEN,
     SyntheticTokenizer,
@@ -35,10 +37,12 @@ __all__ = [
     "Corpus",
     "DataLoader",
     "EvalBatches",
+    "MixtureLoader",
     "SyntheticTokenizer",
     "Tokenizer",
     "cache_root",
     "held_out_rows",
+    "is_mixture",
     "is_synthetic",
     "load_tokenizer",
     "make_eval_batches",

@@ -1,40 +1,42 @@
 """Corpora: where training text comes from, named by the `--dataset` spec string.
 
-Spec forms:
+Spec forms (docs/data.md, "Inputs", says how each is read):
 
-- ``stdlib`` (default): the Python standard library's own ``*.py`` sources. No download, and the
-  same on every machine with the same Python, which makes it a good smoke-test corpus.
+- ``stdlib`` (default): the Python standard library's own ``*.py`` sources, one document per file.
 - ``synthetic``: random tokens for benchmarks; no text at all (see `loader.py`).
-- a path: a ``.txt`` file (one document per file), a ``.jsonl`` file (one document per line, its
-  ``text`` field, or whichever field `text_field`, the ``--text_field`` flag, names; chat records,
-  with a ``messages`` list, are read by `meshlm.data.chat`), a directory (its ``.txt``/``.jsonl``
-  files, recursively) or a glob such as ``data/*.jsonl``.
-- ``hf:NAME[:split]``: a Hugging Face dataset, when the optional ``datasets`` library is installed.
+- a path: a ``.txt``, ``.jsonl``, ``.json`` or ``.parquet`` file (the first three also ``.gz`` or
+  ``.zst`` compressed), a directory (its files of those kinds, recursively) or a glob such as
+  ``data/*.jsonl``; `text_field` (``--text_field``) names the JSON key or parquet column.
+- ``hf:NAME[:split]``: a Hugging Face dataset, streamed, when ``datasets`` is installed.
 
-Every corpus yields its documents in a deterministic order and has a `fingerprint` that changes
-when its contents may have changed; the caches in `tokenizer.py` and `loader.py` are keyed on it.
+Every corpus yields its documents in a deterministic order, splits into work `Unit`s (byte ranges of
+big files, groups of small ones, parquet row groups, dataset shards) whose documents, in order, are
+the corpus's, and has a cheap `fingerprint` that changes when its contents may have changed.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import sys
 import sysconfig
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import meshlm.data.readers as readers
 from meshlm.errors import UsageError
 
 STDLIB = "stdlib"
 SYNTHETIC = "synthetic"
 DEFAULT_DATASET = STDLIB
 
-_TEXT_SUFFIXES = (".txt", ".jsonl")
+_SUPPORTED = ".txt, .jsonl, .json (each also .gz or .zst) or .parquet"
+DEFAULT_UNIT_BYTES = 256 << 20  # a work unit reads about this much input at most
+_READ_FORMAT = "read-v2"  # bump when reading rules change: the fingerprint (and so every cache) follows
 _STDLIB_SKIP = frozenset({"test", "tests", "site-packages", "__pycache__"})
 
 
@@ -70,6 +72,56 @@ def is_synthetic(spec: str) -> bool:
     return spec.strip().lower() == SYNTHETIC
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One stretch of one input: bytes [start, stop) of a .txt/.jsonl file, row groups [start, stop)
+    of a parquet file, shard `start` of `stop` shards of a streamed dataset, or (stop -1) a whole file."""
+
+    kind: str  # readers.kind_of's names, or "hf"
+    path: str  # the file; for "hf", the dataset name
+    start: int = 0
+    stop: int = -1
+    nbytes: int = 0
+    split: str = ""  # "hf" only
+
+    @property
+    def label(self) -> str:
+        if self.kind == "hf":
+            return f"hf:{self.path}:{self.split}" + (f"[shard {self.start}/{self.stop}]" if self.stop > 1 else "")
+        if self.stop < 0:
+            return self.path
+        return f"{self.path}[{'row groups ' if self.kind == 'parquet' else ''}{self.start}:{self.stop}]"
+
+    def documents(self, text_field: str) -> Iterator[str]:
+        if self.kind == "hf":
+            return readers.hf_documents(self.path, self.split, text_field, self.start, max(self.stop, 1))
+        if self.kind == "txt":
+            return readers.txt_documents(self.path, self.start, self.stop)
+        if self.kind == "jsonl":
+            return readers.jsonl_documents(self.path, text_field, self.start, self.stop)
+        if self.kind == "json":
+            return readers.json_documents(self.path, text_field)
+        if self.kind == "parquet":
+            return readers.parquet_documents(self.path, text_field, self.start, self.stop)
+        return readers.whole_file_documents(self.path)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of work for one worker process: consecutive stretches of the corpus's inputs.
+    Plain fields only, so that it pickles; `documents()` reads it."""
+
+    label: str  # e.g. "data/a.jsonl" or "data/big.jsonl[0:268435456]"
+    nbytes: int  # the input bytes it reads (compressed size for .gz/.zst; 0 when unknown)
+    pieces: tuple[Piece, ...] = ()
+    text_field: str = "text"
+
+    def documents(self) -> Iterator[str]:
+        """The unit's non-empty documents, in corpus order."""
+        for piece in self.pieces:
+            yield from piece.documents(self.text_field)
+
+
 class Corpus:
     """A named, ordered collection of text documents."""
 
@@ -79,6 +131,12 @@ class Corpus:
         """Yield every non-empty document, always in the same order."""
         raise NotImplementedError
 
+    def units(self, max_unit_bytes: int = DEFAULT_UNIT_BYTES) -> list[Unit]:
+        """The corpus as ordered work units of about `max_unit_bytes` of input at most (a compressed
+        file or one parquet row group may be more): their documents, concatenated in order, are
+        exactly `documents()`."""
+        raise NotImplementedError
+
     @property
     def fingerprint(self) -> str:
         """A short hash that changes when the corpus contents may have changed."""
@@ -86,8 +144,7 @@ class Corpus:
 
 
 class FileCorpus(Corpus):
-    """Documents read from local files: `.jsonl` gives one document per line, anything else one
-    document per file."""
+    """Documents read from local files, each by its kind (`readers.kind_of`)."""
 
     def __init__(self, spec: str, files: list[Path], text_field: str = "text", *, exact_key=False):
         self.spec = spec
@@ -98,18 +155,26 @@ class FileCorpus(Corpus):
         self._exact_key = exact_key
 
     def documents(self) -> Iterator[str]:
+        count = 0
         for path in self.files:
-            if path.suffix == ".jsonl":
-                yield from _jsonl_documents(path, self.text_field)
-            else:
-                text = _read_text(path)
-                if text.strip():
-                    yield text
+            for doc in Piece(readers.kind_of(str(path)), str(path)).documents(self.text_field):
+                count += 1
+                yield doc
+        if not count:
+            raise UsageError(f"dataset {self.spec!r} holds no documents (its files are empty); point at text")
+
+    def units(self, max_unit_bytes: int = DEFAULT_UNIT_BYTES) -> list[Unit]:
+        if max_unit_bytes < 1:
+            raise UsageError(f"max_unit_bytes must be positive, got {max_unit_bytes}; raise it")
+        pieces = [p for path in self.files for p in _file_pieces(str(path), max_unit_bytes)]
+        if not any(p.nbytes for p in pieces):
+            raise UsageError(f"dataset {self.spec!r} holds no documents (its files are empty); point at text")
+        return _pack(pieces, max_unit_bytes, self.text_field)
 
     @cached_property
     def fingerprint(self) -> str:
         salt = "" if self._exact_key else sys.version  # the stdlib differs between Pythons
-        h = hashlib.sha256(f"{self.text_field}|{salt}\n".encode())
+        h = hashlib.sha256(f"{_READ_FORMAT}|{self.text_field}|{salt}\n".encode())
         for path in self.files:
             stat = path.stat()
             if self._exact_key:
@@ -119,40 +184,124 @@ class FileCorpus(Corpus):
         return h.hexdigest()[:16]
 
 
+def _file_pieces(path: str, max_unit_bytes: int) -> list[Piece]:
+    """One file as pieces: byte ranges cut at document starts when it is big and splittable, runs of
+    row groups for parquet, else the whole file."""
+    kind, size = readers.kind_of(path), os.path.getsize(path)
+    if kind == "parquet":
+        return _parquet_pieces(path, max_unit_bytes)
+    if size <= max_unit_bytes or not readers.splittable(path):
+        return [Piece(kind, path, nbytes=size)]
+    after = readers.line_start_after if kind == "jsonl" else readers.separator_end_after
+    pieces, start = [], 0
+    while start < size:
+        target = start + max_unit_bytes
+        stop = size if target >= size else readers.cut_at_or_before(path, kind, start, target)
+        stop = stop or after(path, target, size)  # a document longer than max_unit_bytes: past it
+        pieces.append(Piece(kind, path, start, stop, stop - start))
+        start = stop
+    return pieces
+
+
+def _parquet_pieces(path: str, max_unit_bytes: int) -> list[Piece]:
+    meta = readers.parquet_file(path).metadata
+    sizes = [
+        sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
+        for g in range(meta.num_row_groups)
+    ]
+    pieces, start = [], 0
+    for g in range(len(sizes)):
+        if g + 1 == len(sizes) or sum(sizes[start : g + 2]) > max_unit_bytes:
+            pieces.append(Piece("parquet", path, start, g + 1, sum(sizes[start : g + 1])))
+            start = g + 1
+    if len(pieces) == 1:  # the whole file
+        return [Piece("parquet", path, 0, -1, pieces[0].nbytes)]
+    return pieces or [Piece("parquet", path, 0, 0, 0)]
+
+
+def _pack(pieces: list[Piece], max_unit_bytes: int, text_field: str) -> list[Unit]:
+    """Consecutive pieces grouped into units of at most `max_unit_bytes` (a bigger piece alone)."""
+    groups: list[list[Piece]] = []
+    total = 0
+    for piece in pieces:
+        if not groups or total + piece.nbytes > max_unit_bytes:
+            groups.append([])
+            total = 0
+        groups[-1].append(piece)
+        total += piece.nbytes
+    return [Unit(_group_label(g), sum(p.nbytes for p in g), tuple(g), text_field) for g in groups]
+
+
+def _group_label(pieces: list[Piece]) -> str:
+    if len(pieces) == 1:
+        return pieces[0].label
+    return f"{pieces[0].label} .. {pieces[-1].label} ({len(pieces)} inputs)"
+
+
 class HFCorpus(Corpus):
-    """A Hugging Face dataset, loaded with the optional `datasets` library."""
+    """A Hugging Face dataset, streamed with the optional `datasets` library (never held whole)."""
 
     def __init__(self, spec: str, name: str, split: str, text_field: str = "text"):
         self.spec, self.name, self.split, self.text_field = spec, name, split, text_field
 
     @cached_property
-    def _dataset(self):
-        import datasets  # checked importable by open_corpus
-
-        try:
-            ds = datasets.load_dataset(self.name, split=self.split)
-        except Exception as e:  # network, unknown name, unknown split, ...
-            raise UsageError(
-                f"could not load Hugging Face dataset {self.name!r} split {self.split!r}: {e}; "
-                f"check the name with --dataset=hf:NAME[:split]"
-            ) from e
-        if self.text_field not in ds.column_names:
+    def _stream(self):
+        stream = readers.hf_stream(self.name, self.split)
+        columns = getattr(stream, "column_names", None)
+        if columns and self.text_field not in columns:
             raise UsageError(
                 f"dataset {self.name!r} has no {self.text_field!r} column (columns: "
-                f"{', '.join(ds.column_names)}); pass --text_field=COLUMN naming one of them"
+                f"{', '.join(columns)}); pass --text_field=COLUMN naming one of them"
             )
-        return ds
+        return stream
 
     def documents(self) -> Iterator[str]:
-        for text in self._dataset[self.text_field]:
-            if isinstance(text, str) and text.strip():
-                yield text
+        count = 0
+        for unit in self.units():
+            for doc in unit.documents():
+                count += 1
+                yield doc
+        if not count:
+            raise UsageError(f"dataset {self.spec!r} holds no documents in {self.text_field!r}; check --text_field")
+
+    def units(self, max_unit_bytes: int = DEFAULT_UNIT_BYTES) -> list[Unit]:
+        """One unit per shard (a file of the dataset) when it has several, else one."""
+        shards = max(int(getattr(self._stream, "num_shards", 1) or 1), 1)
+        sizes = [_local_size(f) for f in self._data_files]
+        if len(sizes) != shards or not all(s is not None for s in sizes):
+            sizes = [_hf_split_bytes(self._stream, self.split) // shards] * shards
+        pieces = [Piece("hf", self.name, i, shards, sizes[i] or 0, self.split) for i in range(shards)]
+        return [Unit(p.label, p.nbytes, (p,), self.text_field) for p in pieces]
+
+    @cached_property
+    def _data_files(self) -> list[str]:
+        return readers.hf_data_files(self.name, self.split)
 
     @cached_property
     def fingerprint(self) -> str:
-        version = getattr(self._dataset, "_fingerprint", "")
-        key = f"hf|{self.name}|{self.split}|{self.text_field}|{version}"
+        """The dataset's data files (a hub dataset's name its revision; local ones with their sizes and
+        times) and its card's version and split size."""
+        info = getattr(self._stream, "info", None)
+        split_info = getattr(info, "splits", None) or {}
+        key = f"hf|{_READ_FORMAT}|{self.name}|{self.split}|{self.text_field}|{getattr(info, 'version', '')}"
+        key += f"|{split_info.get(self.split, '')}"
+        for name in self._data_files:
+            stat = os.stat(name) if os.path.exists(name) else None
+            key += f"\n{name}" + (f"|{stat.st_size}|{stat.st_mtime_ns}" if stat else "")
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _local_size(name: str) -> int | None:
+    return os.path.getsize(name) if os.path.isfile(name) else None
+
+
+def _hf_split_bytes(stream, split: str) -> int:
+    """The split's size in bytes when the dataset's card says it (0 when unknown)."""
+    splits = getattr(getattr(stream, "info", None), "splits", None) or {}
+    try:
+        return int(getattr(splits.get(split), "num_bytes", 0) or 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def open_corpus(spec: str = DEFAULT_DATASET, text_field: str = "text") -> Corpus:
@@ -184,9 +333,9 @@ def _local_files(spec: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and readers.is_supported(str(p)))
         if not files:
-            raise UsageError(f"directory {spec!r} holds no .txt or .jsonl files; point at one")
+            raise UsageError(f"directory {spec!r} holds no {_SUPPORTED} files; point at a folder of them")
         return files
     if glob.has_magic(spec):
         matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
@@ -196,7 +345,7 @@ def _local_files(spec: str) -> list[Path]:
         return files
     raise UsageError(
         f"unknown dataset {spec!r}: use stdlib, synthetic, hf:NAME[:split], "
-        f"or an existing .txt/.jsonl file, directory or glob"
+        f"or an existing file ({_SUPPORTED}), directory or glob"
     )
 
 
@@ -209,40 +358,3 @@ def _open_hf(spec: str, text_field: str) -> HFCorpus:
     except ImportError:
         raise UsageError(f"--dataset={spec} needs the Hugging Face `datasets` library: pip install datasets") from None
     return HFCorpus(spec, name, split or "train", text_field)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}; check the path and permissions") from e
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    try:
-        handle = path.open("rb")
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}; check the path and permissions") from e
-    with handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UsageError(f"{path}:{lineno}: not a valid UTF-8 JSON line ({e}); fix or remove it") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if text is None and isinstance(record, dict) and isinstance(record.get("messages"), list):
-                # chat data (meshlm.data.chat): its messages' text, e.g. to train a tokenizer on
-                text = "\n".join(
-                    m["content"]
-                    for m in record["messages"]
-                    if isinstance(m, dict) and isinstance(m.get("content"), str)
-                )
-            if not isinstance(text, str):
-                raise UsageError(
-                    f"{path}:{lineno}: no string field {text_field!r}; pass --text_field=KEY naming "
-                    f"the field that holds the text (or give chat data a \"messages\" list)"
-                )
-            if text.strip():
-                yield text

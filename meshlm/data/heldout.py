@@ -6,7 +6,8 @@ num_rows)` rows of the packed corpus with a generator of its own (`EVAL_SEED`), 
 on the row count and the fraction alone, not on `--seed`: runs with different seeds are evaluated on
 the same rows. The training loader (`DataLoader(eval_split=...)`) then shuffles only the other rows,
 so a held-out row never reaches a training batch. `--eval_dataset` rows are sampled with the same
-generator, spread over the whole dataset.
+key over the whole dataset. Both are keyed orders (`meshlm.data.shuffle`), computed for the rows an
+evaluation reads; a mixture's held-out rows are each source's, taken in turn.
 
 Batches: evaluation batch b takes the rows `b*B .. b*B+B-1` of the evaluation rows (B the global
 batch size), and process p of P reads only its rows `p*B/P .. (p+1)*B/P - 1` of it, the way the
@@ -16,11 +17,15 @@ tokens drawn from a stream the training batches never use.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from meshlm.data.chat import tokenize_chat
 from meshlm.data.corpus import is_synthetic
-from meshlm.data.loader import EVAL_SEED, pack_rows, read_rows, tokenize_corpus
+from meshlm.data.loader import pack_rows, read_rows
+from meshlm.data.prepare import prepare_tokens
+from meshlm.data.shuffle import EVAL_SEED, Bijection, Rows
 from meshlm.errors import UsageError
 
 DEFAULT_EVAL_BATCHES = 10  # at most this many batches per evaluation unless --eval_batches says otherwise
@@ -46,8 +51,10 @@ class EvalBatches:
         seed: int = 0,
         source: str = "--eval_split",
         flags=None,
+        read=None,
     ):
         self.tokens, self.rows, self.tokenizer, self.flags = tokens, rows, tokenizer, flags
+        self.read = read  # row ids -> batch, for rows that are not one stream's (a mixture's); else read_rows
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.process_index, self.local_batch_size = process_index, global_batch_size // process_count
         if rows is None:
@@ -92,6 +99,8 @@ class EvalBatches:
                 ]
             )
             return pack_rows(rows, -1)  # random tokens: no document boundaries, every target counts
+        if self.read is not None:
+            return self.read(self.global_rows(b))
         return read_rows(self.tokens, self.flags, self.global_rows(b), T, self.tokenizer.eos_id)
 
     def batches(self) -> list[dict[str, np.ndarray]]:
@@ -121,17 +130,27 @@ def make_eval_batches(
     if eval_dataset is None:
         if L.synthetic:
             return EvalBatches(None, None, **common)
+        if getattr(L, "sources", None) is not None:  # a mixture: each source's held-out rows in turn
+            return EvalBatches(None, L.held_out, source=f"--eval_split={L.eval_split}", read=L.read_held, **common)
         return EvalBatches(
             L.tokens, L.held_out, source=f"--eval_split={L.eval_split}", flags=getattr(L, "flags", None), **common
         )
     if is_synthetic(eval_dataset):
         return EvalBatches(None, None, **common)
-    flags = None
+    flags: Any = None
+    tokens: Any = None
     if getattr(L, "chat", None) is not None:  # chat training data: the evaluation conversations rendered alike
         chat = tokenize_chat(eval_dataset, L.tokenizer, L.seq_len, L.chat, cache_dir=cache_dir, text_field=text_field)
         tokens, flags = chat.tokens, chat.flags
     else:
-        tokens = tokenize_corpus(eval_dataset, L.tokenizer, cache_dir=cache_dir, text_field=text_field)
+        tokens = prepare_tokens(
+            eval_dataset,
+            L.tokenizer,
+            cache_dir=cache_dir,
+            text_field=text_field,
+            process_index=L.process_index,
+            process_count=L.process_count,
+        )
     num_rows = max(len(tokens) - 1, 0) // L.seq_len
-    rows = np.random.default_rng(EVAL_SEED).permutation(num_rows)  # a sample spread over the whole dataset
+    rows = Rows(num_rows, Bijection(num_rows, (EVAL_SEED,)))  # a sample spread over the whole dataset
     return EvalBatches(tokens, rows, source=f"--eval_dataset={eval_dataset}", flags=flags, **common)

@@ -1,10 +1,13 @@
 """Packing and per-process loading: token ids in, one process's share of each global batch out.
 
-Every document is tokenized, closed by the end-of-text id and concatenated into one cached stream
-(`meshlm.data.token_cache`); row r is the `seq_len + 1` tokens from `r * seq_len`. A batch holds
+Every document is tokenized, closed by the end-of-text id and concatenated into one stream of
+memory-mapped shards (`meshlm.data.prepare`, the processes sharing the work); row r is the `seq_len + 1` tokens from `r * seq_len`. A batch holds
 `inputs`, `targets`, `segment_ids`, `positions` and `loss_mask`, each `[rows, seq_len]`. Step s
 reads rows of the epoch's permutation seeded by (seed, epoch); process p of P takes its slice of the
-global batch, and `batch(step)` is a pure function of the step, so resuming is exact. Chat data
+global batch, and `batch(step)` is a pure function of the step, so resuming is exact. The order is a
+keyed bijection (`meshlm.data.shuffle`): no permutation of the corpus is stored, and a step reads
+only its rows from the memory map. `next(loader)` takes batches read ahead on a thread
+(`meshlm.data.prefetch`). Chat data
 (`meshlm.data.chat`) is read the same way with a flags stream; `held_out_rows` sets rows aside for
 evaluation (`eval_split`). docs/data.md, "Packing and loading", has the layout in full.
 """
@@ -15,19 +18,21 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 
 from meshlm.data.chat import LOSS_ON, ChatOptions, is_chat_dataset, pack_chat_rows, tokenize_chat
 from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
+from meshlm.data.prefetch import DEFAULT_DEPTH, ReadsAhead
+from meshlm.data.prepare import prepare_tokens
+from meshlm.data.shuffle import EVAL_SEED, Bijection, RowOrder, Rows
 from meshlm.data.token_cache import DamagedCache, TokenStream, open_token_cache
 from meshlm.errors import UsageError
 
 _FORMAT = "tokens-v1"  # bump to invalidate cached token files when packing changes
 _ENCODE_CHUNK = 256  # documents per parallel encode call
-EVAL_SEED = 0x5EED_E7A1  # the held-out sample's own generator: the same rows whatever --seed is
 
 
 def pack_rows(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
@@ -53,7 +58,7 @@ def read_rows(tokens, flags, row_ids, seq_len: int, eos_id: int) -> dict[str, np
     """The batch of rows `row_ids` of a packed stream (row r: `seq_len + 1` tokens from `r * seq_len`),
     plain text (`flags` None) or chat data with its flags stream."""
     T = seq_len
-    if isinstance(tokens, TokenStream):
+    if isinstance(tokens, TokenStream) or hasattr(tokens, "ensure_intact"):
         tokens.ensure_intact()  # a file truncated under its memory map would kill the process (SIGBUS)
     rows = np.stack([tokens[r * T : r * T + T + 1] for r in row_ids])
     if flags is None:
@@ -92,10 +97,14 @@ def chat_options(
 def held_out_rows(num_rows: int, fraction: float) -> np.ndarray:
     """The `ceil(fraction * num_rows)` row ids held out for evaluation, in evaluation order: a fixed
     random sample that depends on the row count and the fraction alone."""
+    return Bijection(num_rows, (EVAL_SEED,))(np.arange(held_out_count(num_rows, fraction)))
+
+
+def held_out_count(num_rows: int, fraction: float) -> int:
+    """How many of `num_rows` rows `held_out_rows` sets aside (at least one training row stays)."""
     if not 0.0 < fraction < 1.0:
         raise UsageError(f"--eval_split={fraction} must be a fraction strictly between 0 and 1, e.g. 0.01")
-    n = min(num_rows - 1, math.ceil(fraction * num_rows)) if num_rows > 1 else 0
-    return np.random.default_rng(EVAL_SEED).permutation(num_rows)[:n].astype(np.int64)
+    return min(num_rows - 1, math.ceil(fraction * num_rows)) if num_rows > 1 else 0
 
 
 def tokenize_corpus(
@@ -152,11 +161,12 @@ def tokenize_corpus(
     return tokens
 
 
-class DataLoader:
+class DataLoader(ReadsAhead):
     """This process's share of every global batch, forever, deterministic given the seed.
 
-    Iterate it (`next(loader)` is the batch at `loader.step`, then the step advances), or ask for
-    any step with `batch(step)`. `state()` / `restore(state)` save and set the position.
+    Iterate it (`next(loader)` is the batch at `loader.step`, then the step advances; with `prefetch`
+    > 0 the next batches are read on a thread meanwhile), or ask for any step with `batch(step)`.
+    `state()` / `restore(state)` save and set the position; `close()` stops the reading ahead.
     """
 
     def __init__(
@@ -177,6 +187,7 @@ class DataLoader:
         chat_template: str | None = None,
         loss_on: str | None = None,
         long_conversations: str | None = None,
+        prefetch: int = DEFAULT_DEPTH,
     ):
         if seq_len < 1 or global_batch_size < 1:
             raise UsageError(f"seq_len ({seq_len}) and global batch size ({global_batch_size}) must be >= 1")
@@ -193,11 +204,11 @@ class DataLoader:
         self.local_batch_size = global_batch_size // process_count
         self.step = int(start_step)
         self.synthetic = is_synthetic(spec)
-        self._perm_epoch, self._perm = -1, np.arange(0)  # epoch -1: no order drawn yet
         self.eval_split = eval_split or None
-        # None: every row trains (and synthetic data has no rows)
-        self.held_out: np.ndarray | None = None
-        self.train_rows: np.ndarray | None = None
+        self.held_out: Rows | None = None  # None: every row trains (and synthetic data has no rows)
+        self.order: RowOrder | None = None
+        self.prefetch = int(prefetch)
+        self.tokens: Any = None  # the packed stream: prepared shards, or a chat cache's tokens
         self.text_field, self.cache_dir = text_field, cache_dir
         self.chat = chat_options(spec, text_field, chat_template, loss_on, long_conversations)
         self.flags = self.chat_data = None  # chat data only: which targets count, where conversations start
@@ -211,16 +222,20 @@ class DataLoader:
             )
             self.tokens, self.flags = self.chat_data.tokens, self.chat_data.flags
         else:
-            self.tokens = tokenize_corpus(spec, tokenizer, cache_dir=cache_dir, text_field=text_field)
+            self.tokens = prepare_tokens(  # memory-mapped shards; the processes share the tokenizing
+                spec,
+                tokenizer,
+                cache_dir=cache_dir,
+                text_field=text_field,
+                process_index=process_index,
+                process_count=process_count,
+            )
         self.num_rows = max(len(self.tokens) - 1, 0) // seq_len
-        n_train = self.num_rows
-        held_out = None
+        n_held = held_out_count(self.num_rows, self.eval_split) if self.eval_split else 0
+        self.order = RowOrder(self.num_rows, n_held, seed, shuffle)
+        n_train, held_out = self.order.n_train, None
         if self.eval_split:
-            self.held_out = held_out = held_out_rows(self.num_rows, self.eval_split)
-            keep = np.ones(self.num_rows, bool)
-            keep[held_out] = False
-            self.train_rows = np.flatnonzero(keep)
-            n_train = len(self.train_rows)
+            self.held_out = held_out = Rows(n_held, self.order.held)
         if n_train < global_batch_size:
             held = f" ({len(held_out)} held out by --eval_split={self.eval_split})" if held_out is not None else ""
             raise UsageError(
@@ -241,19 +256,25 @@ class DataLoader:
         global_rows = np.arange(first, first + self.local_batch_size)
         if self.synthetic or not self.steps_per_epoch:
             return self._synthetic_batch(step, global_rows)
-        epoch, k = divmod(step, self.steps_per_epoch)
-        row_ids = self._permutation(epoch)[k * self.global_batch_size + global_rows]
-        return read_rows(self.tokens, self.flags, row_ids, self.seq_len, self.tokenizer.eos_id)
+        return self.read(self.row_ids(step, global_rows))
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        """The epoch's order of the training rows (all rows, or those not held out)."""
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            n = (self.num_rows or 0) if self.train_rows is None else len(self.train_rows)
-            order = rng.permutation(n) if self.shuffle else np.arange(n)
-            self._perm = order if self.train_rows is None else self.train_rows[order]
-            self._perm_epoch = epoch
-        return self._perm
+    def row_ids(self, step: int, global_rows: np.ndarray) -> np.ndarray:
+        """The stream's row ids at positions `global_rows` of global batch `step` (an epoch is
+        `steps_per_epoch` whole batches; the rows left over are read in later epochs' orders)."""
+        assert self.order is not None and self.steps_per_epoch
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self.order.train(epoch, k * self.global_batch_size + np.asarray(global_rows))
+
+    def rows_in_order(self, ordinal) -> np.ndarray:
+        """The row ids of training ordinals (the k-th row this source gives, over its epochs of every
+        training row: a mixture's source reads its rows this way)."""
+        assert self.order is not None
+        epoch, k = np.divmod(np.asarray(ordinal, dtype=np.int64), self.order.n_train)
+        return self.order.train(epoch, k)
+
+    def read(self, row_ids) -> dict[str, np.ndarray]:
+        """The batch of the stream's rows `row_ids`, read from the memory map."""
+        return read_rows(self.tokens, self.flags, row_ids, self.seq_len, self.tokenizer.eos_id)
 
     def _synthetic_batch(self, step: int, global_rows: np.ndarray) -> dict[str, np.ndarray]:
         """Uniform random tokens; each row seeded by (seed, step, global row) alone."""
@@ -273,13 +294,9 @@ class DataLoader:
             "loss_mask": np.ones(shape, np.float32),
         }
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.batch(self.step)
-        self.step += 1
-        return batch
+    def log_fields(self) -> dict[str, float]:
+        """Extra per-step metrics (a mixture's tokens per source); none for one dataset."""
+        return {}
 
     def state(self) -> dict[str, int | float | None]:
         """The data position, to store in a checkpoint: the step of the next batch, and the
@@ -314,6 +331,7 @@ class DataLoader:
                 f"the checkpoint was trained {was} but this run has {now}; resume {was.split(' (')[0]} "
                 f"(the training rows must not change under a run), or use --eval_dataset"
             )
+        self.close()
         self.step = int(state["step"])
 
     def __repr__(self) -> str:
@@ -341,6 +359,7 @@ def make_loader(
     chat_template: str | None = None,
     loss_on: str | None = None,
     long_conversations: str | None = None,
+    prefetch: int = DEFAULT_DEPTH,
 ) -> DataLoader:
     """A `DataLoader` for a `--dataset` spec (`stdlib`, `synthetic`, a path or glob, `hf:NAME`);
     with `eval_split`, that share of the rows is held out of training (`meshlm.data.heldout`). Chat
@@ -361,6 +380,7 @@ def make_loader(
         chat_template=chat_template,
         loss_on=loss_on,
         long_conversations=long_conversations,
+        prefetch=prefetch,
     )
 
 

@@ -1,7 +1,7 @@
 """Tokenizers: a byte-level BPE trained on the corpus and cached, or any `tokenizer.json`.
 
-`load_tokenizer(None, "stdlib", 32000)` trains (once) a byte-level BPE with 32000 entries on the
-first `train_chars` characters of the corpus and caches it under
+`load_tokenizer(None, "stdlib", 32000)` trains (once) a byte-level BPE with 32000 entries on a
+sample of `train_chars` characters spread over the corpus (`sample_documents`) and caches it under
 `<cache>/tokenizers/<spec>-<vocab>-<hash>/tokenizer.json`; the hash covers the spec, the vocab size,
 the training cap and the corpus fingerprint. `load_tokenizer("path/to/dir", ...)` loads a Hugging
 Face `tokenizer.json` instead. The `synthetic` dataset gets a trivial `SyntheticTokenizer`.
@@ -23,15 +23,17 @@ import tokenizers
 from rich.console import Console
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from meshlm.data.corpus import atomic_write, cache_root, is_synthetic, open_corpus
+from meshlm.data.corpus import Corpus, atomic_write, cache_root, is_synthetic, open_corpus
 from meshlm.errors import UsageError
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens of common tokenizer families, tried in order when loading a tokenizer.json.
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 DEFAULT_TRAIN_CHARS = 8_000_000  # the characters the BPE trainer reads: enough for a 32k vocabulary
+_SAMPLE_UNIT_BYTES = 4 << 20  # the sample is drawn from units of the corpus this big
+_SAMPLE_SPOTS = 64  # at most this many evenly spaced units give the sample its documents
 _MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|>
-_FORMAT = "bytebpe-v1"  # bump to invalidate cached tokenizers when training changes
+_FORMAT = "bytebpe-v2"  # bump to invalidate cached tokenizers when training changes
 
 
 class Tokenizer:
@@ -177,7 +179,7 @@ def train_tokenizer(
     train_chars: int = DEFAULT_TRAIN_CHARS,
     console: Console | None = None,
 ) -> Tokenizer:
-    """Train a byte-level BPE on the first `train_chars` characters of the corpus, or return the
+    """Train a byte-level BPE on `train_chars` characters sampled over the corpus, or return the
     cached one trained with the same inputs."""
     if vocab_size < _MIN_VOCAB:
         raise UsageError(
@@ -197,7 +199,7 @@ def train_tokenizer(
         return Tokenizer.from_file(path)
 
     console = console or Console(stderr=True)
-    texts = _capped(corpus.documents(), train_chars)
+    texts = sample_documents(corpus, train_chars)
     n_chars = sum(map(len, texts))
     if not n_chars:
         raise UsageError(f"dataset {dataset!r} holds no text to train a tokenizer on; point at text files")
@@ -225,9 +227,29 @@ def train_tokenizer(
     return Tokenizer(tok, path)
 
 
+def sample_documents(corpus: Corpus, max_chars: int) -> list[str]:
+    """About `max_chars` characters of documents spread over the whole corpus: the leading documents of
+    evenly spaced work units (every unit when the corpus is small), each unit's share of the budget
+    passed on to the next when it holds less. The same corpus always gives the same sample."""
+    units = corpus.units(_SAMPLE_UNIT_BYTES)
+    spots = min(len(units), _SAMPLE_SPOTS)
+    if sum(u.nbytes for u in units) <= 2 * max_chars:
+        spots = len(units)
+    picked = sorted({round(i * (len(units) - 1) / max(spots - 1, 1)) for i in range(spots)})
+    texts: list[str] = []
+    total = 0
+    for n, index in enumerate(picked):
+        budget = (max_chars - total) // (len(picked) - n)
+        taken = _capped(units[index].documents(), budget)
+        texts += taken
+        total += sum(map(len, taken))
+    return texts
+
+
 def _capped(documents, max_chars: int) -> list[str]:
     """The leading documents up to `max_chars` characters in all (the last one cut to fit)."""
-    texts, total = [], 0
+    texts: list[str] = []
+    total = 0
     for doc in documents:
         if total >= max_chars:
             break

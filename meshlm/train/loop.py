@@ -8,6 +8,7 @@ any data or compile work, saying so (`meshlm.train.report` words every message a
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -105,9 +106,9 @@ class Trainer:
         )
         perm = train_step.sequence_permutation(run.job.placement, self.cfg.seq_len)
         self.make_hooks(run, checkpointer, state, first_step, perm)
-        with self.stop, self.logger.closed_on_error(), self.progress:
+        with self.stop, self.logger.closed_on_error(), self.progress, contextlib.closing(run.loader):
             for step in range(first_step, self.cfg.steps + 1):
-                host_batch = next(run.loader)
+                host_batch = self.clock.next_batch(run.loader)  # read ahead on a thread; the wait is logged
                 state, end = self.step(run, step_fn, state, step, first_step, host_batch, perm)
                 if any(hook.after_step(end) for hook in self.after) or self.stop.requested:
                     break

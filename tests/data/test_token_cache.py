@@ -111,13 +111,13 @@ def test_a_cache_of_another_dtype_is_not_read(cached):
 
 def test_a_cache_truncated_while_training_stops_the_reader_with_one_line(corpus, cached):
     """Reading rows past the end of a truncated memory-mapped file would kill the process with SIGBUS."""
-    cache, path, want = cached
+    cache, _, want = cached
     loader = make_loader(corpus, Bytes(), SEQ, BATCH, cache_dir=cache)
     assert loader.batch(0)["inputs"].shape == (BATCH, SEQ)
-    with open(path, "r+b") as f:
+    shard = loader.tokens.folder / f"{loader.tokens.units[0]['stem']}.npy"  # the loader reads prepared shards
+    with open(shard, "r+b") as f:
         f.truncate(256)
     with pytest.raises(UsageError, match="shrank from .* to 256 bytes while this run was reading it; run again"):
         loader.batch(1)
-    got, said = tokenize(corpus, cache)  # the next run rebuilds it
-    assert "bytes and its header says" in said
-    np.testing.assert_array_equal(got, want)
+    again = make_loader(corpus, Bytes(), SEQ, BATCH, cache_dir=cache, prefetch=0)  # the next run prepares it again
+    np.testing.assert_array_equal(again.tokens[0 : len(again.tokens)], want)

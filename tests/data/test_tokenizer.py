@@ -7,8 +7,8 @@ import pytest
 import tokenizers
 
 from meshlm.data import EOS_TOKEN, SyntheticTokenizer, Tokenizer, load_tokenizer, train_tokenizer
-from meshlm.data.corpus import stdlib_files
-from meshlm.data.tokenizer import _capped
+from meshlm.data.corpus import open_corpus, stdlib_files
+from meshlm.data.tokenizer import _capped, sample_documents
 from meshlm.errors import UsageError
 
 TRAIN_CHARS = 400_000  # a small, fast slice of the stdlib
@@ -103,6 +103,20 @@ def test_capped_training_text_is_a_deterministic_prefix():
     docs = ["abcd", "efgh", "ijkl"]
     assert _capped(iter(docs), 6) == ["abcd", "ef"]
     assert _capped(iter(docs), 100) == docs
+
+
+def test_training_sample_is_spread_over_the_corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr("meshlm.data.tokenizer._SAMPLE_UNIT_BYTES", 1000)
+    rows = [{"text": f"{part} document {i:04d}"} for part in ("head", "middle", "tail") for i in range(300)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = open_corpus(str(tmp_path / "d.jsonl"))
+    sample = sample_documents(corpus, 2000)
+    assert 1500 <= sum(map(len, sample)) <= 2000
+    assert {s.split()[0] for s in sample} == {"head", "middle", "tail"}  # not only the first characters
+    assert any(d.startswith(sample[-1]) for d in corpus.units(1000)[-1].documents())  # down to the last unit
+    assert sample_documents(corpus, 2000) == sample
+    every = list(corpus.documents())
+    assert sample_documents(corpus, 10**6) == every  # a corpus smaller than the budget is read whole
 
 
 def test_save_and_load(tok, tmp_path):

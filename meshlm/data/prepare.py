@@ -1,0 +1,303 @@
+"""Tokenizing a corpus of any size in parallel into token shards (`meshlm.data.shards`).
+
+    shards = prepare_tokens("data/", tokenizer, workers=16)   # a TokenShards: len, slices, ensure_intact
+
+The corpus's units (`Corpus.units`) are encoded by worker processes started with `spawn` (the caller may
+have JAX running: nothing is forked), each taking whole units and writing them a chunk of documents at a
+time, so memory stays bounded. A unit is written under a temporary name and renamed when complete, then
+its record (`unit-NNNNN.json`) marks it done: an interrupted run keeps its finished units. With several
+processes, process p encodes the units u with u % process_count == p, waits for the others' units, and
+process 0 writes the manifest. Tokenizers other than a meshlm `Tokenizer` are run in this process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import queue
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from meshlm.data.corpus import DEFAULT_UNIT_BYTES, atomic_write, cache_root, open_corpus
+from meshlm.data.shards import FORMAT, MANIFEST, DamagedShard, GrowingNpy, TokenShards, unit_stem
+from meshlm.data.token_cache import DamagedCache
+from meshlm.data.tokenizer import Tokenizer
+from meshlm.data.unit_progress import UnitProgress
+from meshlm.errors import UsageError
+
+UNIT_BYTES = DEFAULT_UNIT_BYTES  # input bytes per unit at most: the work one worker takes at a time
+MIN_UNIT_BYTES = 1 << 20  # ... and at least, unless the corpus is smaller
+TARGET_UNITS = 64  # units a corpus is cut into when that keeps them between those sizes
+CHUNK_CHARS = 1 << 20  # characters of text encoded per batch call: bounds a worker's memory
+PEER_TIMEOUT = 600.0  # seconds without a new unit from another process before giving up
+_POLL = 0.5
+
+
+def unit_source(unit) -> str:
+    """What the summary counts a unit under: its file when all its input is one file, else its label."""
+    paths = {str(getattr(p, "path", "")) for p in getattr(unit, "pieces", ())}
+    return paths.pop() if len(paths) == 1 and "" not in paths else unit.label
+
+
+def unit_size(corpus) -> int:
+    """Input bytes per unit: the corpus's size over TARGET_UNITS, within [MIN_UNIT_BYTES, UNIT_BYTES], so that
+    even a small corpus keeps many workers busy. Every process of a run computes the same."""
+    total = sum(u.nbytes for u in corpus.units(UNIT_BYTES))
+    return int(min(UNIT_BYTES, max(MIN_UNIT_BYTES, total // TARGET_UNITS)))
+
+
+def shard_folder(corpus, tokenizer, cache_dir=None, unit_bytes: int | None = None) -> Path:
+    """Where `corpus` tokenized by `tokenizer` is prepared: keyed by format, corpus, fingerprints and unit size."""
+    key = f"{FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}|{unit_bytes or unit_size(corpus)}"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "corpus"
+    return cache_root(cache_dir) / "shards" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+# ------------------------------------------------------------------------------ encoding one unit
+
+
+def _text_chunks(documents, max_chars: int):
+    chunk, chars = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        chars += len(doc)
+        if chars >= max_chars:
+            yield chunk, chars
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk, chars
+
+
+def _flatten(batch: list[list[int]], eos_id: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(each document's ids followed by eos, as one array; the length of each document with its eos)."""
+    lengths = np.fromiter(map(len, batch), np.int64, len(batch))
+    flat = np.array(list(itertools.chain.from_iterable(batch)), dtype)
+    return np.insert(flat, np.cumsum(lengths), np.asarray(eos_id, dtype)), lengths + 1
+
+
+def write_unit(unit, folder: Path, index: int, encode, eos_id: int, dtype, report, process_index: int = 0) -> dict:
+    """Encode `unit` into `folder` (files renamed into place when complete, then its record); `encode(texts)`
+    gives each text's ids, `report(documents, tokens, bytes)` hears of every chunk. Returns the record."""
+    stem, tag = unit_stem(index), f"{os.getpid()}.tmp"
+    tmp_tokens, tmp_ends = folder / f".{stem}.npy.{tag}", folder / f".{stem}.docs.npy.{tag}"
+    tokens, ends = GrowingNpy(tmp_tokens, dtype), GrowingNpy(tmp_ends, np.int64)
+    n_docs, reported = 0, 0
+    try:
+        for texts, chars in _text_chunks(unit.documents(), CHUNK_CHARS):
+            ids, lengths = _flatten(encode(texts), eos_id, dtype)
+            ends.append(tokens.length + np.cumsum(lengths))
+            tokens.append(ids)
+            n_docs += len(texts)
+            step = max(0, min(chars, unit.nbytes - reported))
+            reported += step
+            report(len(texts), len(ids), step)
+        tokens.close()
+        ends.close()
+        report(0, 0, max(0, unit.nbytes - reported))
+        os.replace(tmp_ends, folder / f"{stem}.docs.npy")
+        os.replace(tmp_tokens, folder / f"{stem}.npy")
+    finally:
+        for tmp in (tmp_tokens, tmp_ends):
+            tmp.unlink(missing_ok=True)
+    record = {
+        "stem": stem,
+        "label": unit.label,
+        "source": unit_source(unit),
+        "documents": n_docs,
+        "tokens": tokens.length,
+        "bytes": unit.nbytes,
+        "process": process_index,
+    }
+    atomic_write(folder / f"{stem}.json", lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    return record
+
+
+_WORKER: dict = {}  # in a worker process: its tokenizer and the queue it reports progress on
+
+
+def _start_worker(tokenizer: Tokenizer, progress, threads: int) -> None:
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # before the tokenizer's thread pool starts
+    _WORKER.update(tokenizer=tokenizer, progress=progress)
+
+
+def _worker_unit(unit, folder: Path, index: int, eos_id: int, dtype: str, process_index: int) -> dict:
+    tokenizer, progress = _WORKER["tokenizer"], _WORKER["progress"]
+    # The tokenizer's own copy that encodes special-token text as text (`encode_batch(special_as_text=True)`),
+    # called without character offsets, which nothing here reads: a sixth less work.
+    as_text = tokenizer._plain_text_tokenizer()
+
+    def encode(texts):
+        return [e.ids for e in as_text.encode_batch_fast(texts, add_special_tokens=False)]
+
+    return write_unit(unit, folder, index, encode, eos_id, dtype, lambda *n: progress.put(n), process_index)
+
+
+# ------------------------------------------------------------------------------ the whole corpus
+
+
+def _done(folder: Path, index: int) -> bool:
+    return (folder / f"{unit_stem(index)}.json").is_file()
+
+
+def _encode_units(todo, units, folder, tokenizer, workers, process_index, progress: UnitProgress) -> None:
+    """Encode units `todo` (indices into `units`): in worker processes for a meshlm Tokenizer, else here."""
+    dtype = token_dtype(tokenizer.vocab_size).str
+    if not isinstance(tokenizer, Tokenizer):
+
+        def encode(texts):
+            return [tokenizer.encode(t) for t in texts]
+
+        for i in todo:
+            write_unit(units[i], folder, i, encode, tokenizer.eos_id, dtype, progress.advance, process_index)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    reports = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with cf.ProcessPoolExecutor(
+        workers, ctx, initializer=_start_worker, initargs=(tokenizer, reports, threads)
+    ) as pool:
+        futures = [pool.submit(_worker_unit, units[i], folder, i, tokenizer.eos_id, dtype, process_index) for i in todo]
+        pending = set(futures)
+        try:
+            while pending:
+                _drain(reports, progress, timeout=0.1)
+                finished = {f for f in pending if f.done()}
+                for f in finished:
+                    f.result()  # a worker's error stops the run here
+                pending -= finished
+        except BaseException:
+            for f in pending:
+                f.cancel()  # units not started yet; those under way finish and are kept
+            raise
+        _drain(reports, progress, timeout=0.0)
+
+
+def _drain(reports, progress: UnitProgress, timeout: float) -> None:
+    """Pass the workers' reports so far to the progress bar (waiting up to `timeout` for the first)."""
+    try:
+        first = reports.get(timeout=timeout) if timeout else reports.get_nowait()
+        progress.advance(*first)
+        while True:
+            progress.advance(*reports.get_nowait())
+    except queue.Empty:
+        pass
+
+
+def _wait_for(paths: list[Path], what: str, timeout: float) -> None:
+    """Poll until every path exists; UsageError when none appears for `timeout` seconds."""
+    missing, last_change = [p for p in paths if not p.exists()], time.monotonic()
+    while missing:
+        time.sleep(_POLL)
+        still = [p for p in missing if not p.exists()]
+        if len(still) < len(missing):
+            last_change = time.monotonic()
+        missing = still
+        if missing and time.monotonic() - last_change > timeout:
+            raise UsageError(
+                f"waited {timeout:.0f} s for {what} ({len(missing)} missing, first {missing[0]}); start every "
+                "process with the same --dataset, --tokenizer and --cache_dir, and --num_processes"
+            )
+
+
+def _write_manifest(folder: Path, corpus, tokenizer, n_units: int) -> None:
+    records = [json.loads((folder / f"{unit_stem(i)}.json").read_text()) for i in range(n_units)]
+    manifest = {
+        "format": FORMAT,
+        "corpus": corpus.spec,
+        "corpus_fingerprint": corpus.fingerprint,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "dtype": token_dtype(tokenizer.vocab_size).str,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "units": records,
+    }
+    atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1) + "\n"))
+
+
+def _open_or_forget(folder: Path, console: Console) -> TokenShards | None:
+    """The prepared shards, or None (the manifest and a damaged unit's record removed, to be prepared again)."""
+    if not (folder / MANIFEST).is_file():
+        return None
+    try:
+        return TokenShards(folder)
+    except DamagedCache as e:
+        console.print(f"[meshlm] the token shards: {e}; preparing again", markup=False, highlight=False)
+        if isinstance(e, DamagedShard):
+            (folder / f"{e.stem}.json").unlink(missing_ok=True)
+        (folder / MANIFEST).unlink(missing_ok=True)
+        return None
+
+
+def prepare_tokens(
+    spec: str,
+    tokenizer,
+    *,
+    cache_dir=None,
+    text_field: str = "text",
+    workers: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    console: Console | None = None,
+    unit_bytes: int | None = None,
+    peer_timeout: float = PEER_TIMEOUT,
+) -> TokenShards:
+    """The corpus `spec` tokenized into shards (module docstring), prepared now or found prepared; each
+    document's ids followed by `tokenizer.eos_id`, in corpus order. `unit_bytes`: input bytes per unit
+    (default `unit_size(corpus)`)."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise UsageError(f"process {process_index} is not in 0 .. {process_count - 1}; pass --process_id below it")
+    console = console or Console(stderr=True)
+    corpus = open_corpus(spec, text_field)
+    unit_bytes = unit_bytes or unit_size(corpus)
+    folder = shard_folder(corpus, tokenizer, cache_dir, unit_bytes)
+    shards = _open_or_forget(folder, console)
+    if shards is not None:
+        return shards
+    folder.mkdir(parents=True, exist_ok=True)
+    units = corpus.units(unit_bytes)
+    mine = [i for i in range(len(units)) if i % process_count == process_index]
+    todo = [i for i in mine if not _done(folder, i)]
+    for i in todo:  # what an interrupted run of this process left half-written
+        for tmp in folder.glob(f".{unit_stem(i)}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+    with UnitProgress(console, corpus.spec, sum(units[i].nbytes for i in todo)) as progress:
+        if todo:
+            _encode_units(todo, units, folder, tokenizer, n_workers, process_index, progress)
+    if open_corpus(spec, text_field).fingerprint != corpus.fingerprint:
+        raise UsageError(f"the corpus {corpus.spec} changed while it was being tokenized; run again")
+    stems = [folder / f"{unit_stem(i)}.json" for i in range(len(units))]
+    _wait_for(stems, f"the other processes' units of {corpus.spec}", peer_timeout)
+    if process_index == 0:
+        _write_manifest(folder, corpus, tokenizer, len(units))
+    else:
+        _wait_for([folder / MANIFEST], f"process 0's manifest of {corpus.spec}", peer_timeout)
+    shards = TokenShards(folder)
+    UnitProgress.summary(console, shards, done=len(todo))
+    return shards
+
+
+__all__ = [
+    "CHUNK_CHARS",
+    "MIN_UNIT_BYTES",
+    "PEER_TIMEOUT",
+    "TARGET_UNITS",
+    "UNIT_BYTES",
+    "prepare_tokens",
+    "shard_folder",
+    "unit_size",
+    "unit_source",
+    "write_unit",
+]

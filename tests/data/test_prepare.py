@@ -1,0 +1,176 @@
+"""Preparing token shards: the same ids as the one-process token cache, resumed, reused, split between processes."""
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from meshlm.data import prepare as prep
+from meshlm.data.corpus import open_corpus
+from meshlm.data.loader import tokenize_corpus
+from meshlm.data.shards import MANIFEST, unit_stem
+from meshlm.data.tokenizer import train_tokenizer
+from meshlm.errors import UsageError
+
+UNIT = 1000  # input bytes per unit: the corpus below is 5 units or more (small files grouped, a file cut)
+WORDS = "the a river stone lamp quiet runs over under <|endoftext|> def return café 42 ( ) : \n".split(" ")
+
+
+def make_corpus(root, n_files=4, seed=0):
+    """A folder of .txt files (one document each) and a .jsonl file (one document a line)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def text(n):
+        return " ".join(rng.choice(WORDS, n))
+
+    for i in range(n_files):
+        (root / f"doc{i}.txt").write_text(text(40 + 30 * i))
+    lines = [json.dumps({"text": text(int(rng.integers(1, 60)))}) for _ in range(25)]
+    (root / "more.jsonl").write_text("\n".join(lines[:10] + [""] + lines[10:]) + "\n")
+    return str(root)
+
+
+def reference_ids(spec, tok) -> np.ndarray:
+    """The corpus encoded in one go, the way the one-process token cache always has: each document's ids
+    (special-token text kept as text), then eos."""
+    docs = list(open_corpus(spec).documents())
+    ids = tok.encode_batch(docs, special_as_text=True) if hasattr(tok, "encode_batch") else map(tok.encode, docs)
+    return np.array([i for one in ids for i in (*one, tok.eos_id)], np.uint16)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    spec = make_corpus(tmp_path / "corpus")
+    return spec, train_tokenizer(spec, 300, cache_dir=tmp_path / "cache"), tmp_path / "cache"
+
+
+def quiet():
+    out = io.StringIO()
+    return Console(file=out, width=200), out
+
+
+def test_shards_hold_the_token_caches_ids(corpus):
+    spec, tok, cache = corpus
+    console, log = quiet()
+    shards = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
+    expected = reference_ids(spec, tok)
+    np.testing.assert_array_equal(tokenize_corpus(spec, tok, cache_dir=cache, console=quiet()[0]), expected)
+    n = len(open_corpus(spec).units(UNIT))
+    assert n >= 5 and len(shards.units) == n and len(shards) == len(expected) and shards.dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(shards), expected)
+    starts = np.cumsum([0] + [u["tokens"] for u in shards.units])
+    ends = np.concatenate([shards.document_ends(u) + starts[u] for u in range(n)])
+    assert shards.documents == len(ends) == int((expected == tok.eos_id).sum())  # eos only at document ends
+    np.testing.assert_array_equal(np.flatnonzero(expected == tok.eos_id) + 1, ends)
+    bounds = np.cumsum([u["tokens"] for u in shards.units])
+    for b in bounds[:-1]:
+        np.testing.assert_array_equal(shards[b - 3 : b + 4], expected[b - 3 : b + 4])
+    assert f"{n} units ({n} encoded now)" in log.getvalue() and "more.jsonl: 25 documents" in log.getvalue()
+
+
+def test_a_second_call_reuses_the_shards(corpus, monkeypatch):
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=quiet()[0])
+
+    def no_encoding(*a, **k):
+        raise AssertionError("units encoded again")
+
+    monkeypatch.setattr(prep, "_encode_units", no_encoding)
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=quiet()[0])
+    assert again.folder == first.folder
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+
+
+def test_an_interrupted_preparation_does_only_the_missing_units(corpus):
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
+    whole, folder = np.asarray(first), first.folder
+    for name in (f"{unit_stem(2)}.npy", f"{unit_stem(2)}.json", MANIFEST):  # as if stopped while unit 2 was written
+        (folder / name).unlink()
+    (folder / f".{unit_stem(2)}.npy.123.tmp").write_bytes(b"half")
+    others = [i for i in range(len(first.units)) if i != 2]
+    kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
+    console, log = quiet()
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
+    assert "(1 encoded now)" in log.getvalue()
+    assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
+    assert not list(folder.glob(".*.tmp"))
+    np.testing.assert_array_equal(np.asarray(again), whole)
+
+
+def test_a_damaged_unit_is_prepared_again(corpus):
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
+    whole = np.asarray(first)
+    with open(first.folder / f"{unit_stem(3)}.npy", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 2)
+    console, log = quiet()
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=console)
+    assert f"{unit_stem(3)}.npy is" in log.getvalue() and "(1 encoded now)" in log.getvalue()
+    np.testing.assert_array_equal(np.asarray(again), whole)
+
+
+class ByteTokenizer:
+    """Not a meshlm Tokenizer: encoded in this process, and may change the corpus while it runs."""
+
+    eos_id, vocab_size, fingerprint = 255, 256, "bytes-v1"
+
+    def __init__(self, touch=None):
+        self.touch = touch
+
+    def encode(self, text):
+        if self.touch is not None:
+            self.touch.write_text("changed while preparing")
+        return list(text.encode("utf-8")[:50].replace(b"\xff", b""))
+
+
+def test_other_tokenizers_are_encoded_here(corpus):
+    spec, _, cache = corpus
+    shards = prep.prepare_tokens(spec, ByteTokenizer(), cache_dir=cache, unit_bytes=UNIT, console=quiet()[0])
+    np.testing.assert_array_equal(np.asarray(shards), reference_ids(spec, ByteTokenizer()))
+
+
+def test_a_corpus_changed_while_prepared_asks_to_run_again(corpus):
+    spec, _, cache = corpus
+    with pytest.raises(UsageError, match="changed while it was being tokenized; run again"):
+        prep.prepare_tokens(
+            spec,
+            ByteTokenizer(touch=prep.Path(spec) / "doc0.txt"),
+            cache_dir=cache,
+            unit_bytes=UNIT,
+            console=quiet()[0],
+        )
+    assert len(list((cache / "shards").glob("*/unit-?????.npy"))) == len(
+        open_corpus(spec).units(UNIT)
+    )  # nothing prepared is deleted
+
+
+def test_units_are_a_sixty_fourth_of_the_corpus_within_bounds(tmp_path, monkeypatch):
+    spec = make_corpus(tmp_path / "corpus")
+    assert prep.unit_size(prep.open_corpus(spec)) == prep.MIN_UNIT_BYTES  # a small corpus: the least
+    monkeypatch.setattr(prep, "MIN_UNIT_BYTES", 10)
+    total = sum(u.nbytes for u in prep.open_corpus(spec).units())
+    assert prep.unit_size(prep.open_corpus(spec)) == total // prep.TARGET_UNITS
+
+
+def test_waiting_for_another_process_times_out_in_one_line(corpus):
+    spec, tok, cache = corpus
+    with pytest.raises(UsageError, match="waited 1 s for the other processes' units"):
+        prep.prepare_tokens(
+            spec,
+            tok,
+            cache_dir=cache,
+            unit_bytes=UNIT,
+            workers=1,
+            process_index=0,
+            process_count=2,
+            peer_timeout=1,
+            console=quiet()[0],
+        )
+    folder = prep.shard_folder(prep.open_corpus(spec), tok, cache, UNIT)
+    n = len(open_corpus(spec).units(UNIT))
+    assert sorted(p.name for p in folder.glob("*.json")) == [f"{unit_stem(i)}.json" for i in range(0, n, 2)]

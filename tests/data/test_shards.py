@@ -1,0 +1,68 @@
+"""Token shards: a folder of .npy units read back as one stream, across unit boundaries, with its checks."""
+
+import json
+
+import numpy as np
+import pytest
+
+from meshlm.data.shards import FORMAT, MANIFEST, DamagedShard, GrowingNpy, TokenShards, unit_stem
+
+
+def write_shards(folder, pieces, dtype=np.uint16, vocab_size=1000):
+    """A prepared folder whose units hold `pieces` (lists of ids), each one document."""
+    folder.mkdir(parents=True, exist_ok=True)
+    units = []
+    for i, ids in enumerate(pieces):
+        out = GrowingNpy(folder / f"{unit_stem(i)}.npy", dtype)
+        for half in (ids[: len(ids) // 2], ids[len(ids) // 2 :]):  # appended a chunk at a time
+            out.append(np.asarray(half))
+        out.close()
+        np.save(folder / f"{unit_stem(i)}.docs.npy", np.array([len(ids)], np.int64))
+        units.append({"stem": unit_stem(i), "label": f"f{i % 2}", "documents": 1, "tokens": len(ids), "bytes": 9})
+    manifest = {"format": FORMAT, "corpus": "c", "dtype": np.dtype(dtype).str, "vocab_size": vocab_size, "units": units}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return TokenShards(folder)
+
+
+def test_growing_npy_is_a_plain_npy(tmp_path):
+    out = GrowingNpy(tmp_path / "a.npy", np.uint32)
+    for chunk in (np.arange(5), np.arange(0), np.arange(70000, 70003)):
+        out.append(chunk)
+    out.close()
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), [0, 1, 2, 3, 4, 70000, 70001, 70002])
+
+
+def test_slices_read_across_unit_boundaries(tmp_path):
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 1000, n).tolist() for n in (7, 1, 0, 12, 5)]
+    whole = np.concatenate([np.asarray(p, np.uint16) for p in pieces])
+    shards = write_shards(tmp_path / "s", pieces)
+    assert len(shards) == len(whole) and shards.dtype == np.uint16
+    for a in range(len(whole) + 1):
+        for b in (a, a + 1, a + 6, a + 13, len(whole) + 3):
+            got = shards[a:b]
+            assert isinstance(got, np.ndarray)
+            np.testing.assert_array_equal(got, whole[a:b])
+    np.testing.assert_array_equal(shards[-4:], whole[-4:])
+    np.testing.assert_array_equal(shards[1:20:3], whole[1:20:3])
+    assert shards[8] == whole[8] and shards[-1] == whole[-1]
+    with pytest.raises(IndexError):
+        shards[len(whole)]
+    np.testing.assert_array_equal(np.asarray(shards), whole)
+    shards.ensure_intact()
+    assert shards.documents == 5
+    assert shards.tokens_per_source() == {"f0": (3, 7 + 0 + 5), "f1": (2, 1 + 12)}
+
+
+def test_a_damaged_unit_is_named(tmp_path):
+    write_shards(tmp_path / "s", [[1, 2, 3], [4, 5, 6, 7]])
+    with open(tmp_path / "s" / f"{unit_stem(1)}.npy", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 2)
+    with pytest.raises(DamagedShard) as e:
+        TokenShards(tmp_path / "s")
+    assert e.value.stem == unit_stem(1)
+
+
+def test_ids_beyond_the_vocabulary_are_damage(tmp_path):
+    with pytest.raises(DamagedShard, match="outside the tokenizer's vocabulary"):
+        write_shards(tmp_path / "s", [[1, 2], [3, 999]], vocab_size=500)
