@@ -299,10 +299,10 @@ class DataLoader(ReadsAhead):
         """Extra per-step metrics (a mixture's tokens per source); none for one dataset."""
         return {}
 
-    def state(self) -> dict[str, int | float | None]:
+    def state(self) -> dict[str, int | float | str | None]:
         """The data position, to store in a checkpoint: the step of the next batch, and the
         epoch, seed, row count and held-out row count for checking."""
-        state: dict[str, int | float | None] = {
+        state: dict[str, int | float | str | None] = {
             "step": self.step,
             "epoch": self.epoch,
             "seed": self.seed,
