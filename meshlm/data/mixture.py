@@ -26,6 +26,7 @@ import numpy as np
 from rich.console import Console
 
 import meshlm.data.tokenizer as tokenizers
+from meshlm.data.chat import is_chat_dataset
 from meshlm.data.corpus import is_synthetic
 from meshlm.data.loader import DataLoader
 from meshlm.data.loader import make_loader as make_dataset_loader
@@ -310,6 +311,17 @@ def load_tokenizer(spec: str | None, dataset: str, vocab_size: int, *, text_fiel
         source = mixture.sources[heaviest]
         dataset, text_field = source.dataset, source.text_field or text_field
     return tokenizers.load_tokenizer(spec, dataset, vocab_size, text_field=text_field, **kwargs)
+
+
+def token_corpora(dataset: str, text_field: str = "text") -> list[tuple[str, str]]:
+    """(dataset, text_field) of each corpus `dataset` reads as token shards: the dataset, or a mixture's
+    sources; none for synthetic or chat data (tokenized in memory, `meshlm.data.chat`)."""
+    pairs = (
+        [(s.dataset, s.text_field or text_field) for s in read_mixture(dataset).sources]
+        if is_mixture(dataset)
+        else [(dataset, text_field)]
+    )
+    return [(d, f) for d, f in pairs if not is_synthetic(d) and not is_chat_dataset(d, f)]
 
 
 def make_loader(dataset: str, tokenizer, seq_len: int, global_batch_size: int, *args, **kwargs):
