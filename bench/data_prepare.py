@@ -7,7 +7,8 @@ written as JSONL files of --file_mb each; a BPE tokenizer is trained on it first
 baseline script reads every line with json.loads, encodes chunks with `tokenizers`' multi-threaded
 encode_batch, keeps the ids in numpy arrays and writes one .npy; (b) `meshlm data prepare` runs as a
 subprocess. Each is run on the corpus and on a tiny one; peak memory is the whole process tree's VmRSS
-summed every 0.1 s, and the extra peak memory is the corpus run's over the tiny one's.
+summed every 0.1 s, and the extra peak memory is the corpus run's over the tiny one's (cut into as many
+units as there are workers, so that both runs start the same processes).
 """
 
 from __future__ import annotations
@@ -109,10 +110,11 @@ def measure(cmd: list[str]) -> tuple[float, int]:
     return seconds, peak
 
 
-def run_both(corpus: Path, tok_dir: Path, work: Path, workers: int | None) -> dict[str, tuple[float, int]]:
+def run_both(corpus: Path, tok_dir: Path, work: Path, workers: int, unit_mb: float | None = None) -> dict:
+    """{"baseline": (seconds, peak bytes), "prepare": ...} on `corpus`."""
     cache = work / f"cache-{corpus.name}"
     prepare = [sys.executable, "-m", "meshlm", "data", "prepare", f"--dataset={corpus}", f"--tokenizer={tok_dir}"]
-    prepare += [f"--cache_dir={cache}"] + ([f"--workers={workers}"] if workers else [])
+    prepare += [f"--cache_dir={cache}", f"--workers={workers}"] + ([f"--unit_mb={unit_mb}"] if unit_mb else [])
     out = {
         "baseline": measure(
             [sys.executable, "-c", BASELINE, str(corpus), str(tok_dir / "tokenizer.json"), str(work / "b.npy")]
@@ -146,8 +148,10 @@ def main() -> None:
         tok = train_tokenizer(str(work / "corpus"), args.vocab_size, cache_dir=work / "tokcache")
         tok_dir = work / "tokenizer"
         tok.save(tok_dir)
-        tiny = run_both(work / "tiny", tok_dir, work, args.workers)
-        big = run_both(work / "corpus", tok_dir, work, args.workers)
+        workers = args.workers or os.cpu_count() or 1
+        # the tiny corpus in as many units as workers: the same processes, so that the extra is the corpus's own
+        tiny = run_both(work / "tiny", tok_dir, work, workers, unit_mb=1 / workers)
+        big = run_both(work / "corpus", tok_dir, work, workers)
         for name in ("baseline", "prepare"):
             (s, peak), (_, tiny_peak) = big[name], tiny[name]
             print(
@@ -157,7 +161,7 @@ def main() -> None:
         ratio = big["baseline"][0] / big["prepare"][0]
         extra = (big["prepare"][1] - tiny["prepare"][1]) / 2**20
         print(
-            f"speed ratio (prepare over baseline): {ratio:.2f}x on {os.cpu_count()} CPUs; prepare's extra peak memory: {extra:.0f} MiB"
+            f"speed ratio (prepare over baseline): {ratio:.2f}x on {os.cpu_count()} CPUs, {workers} workers; prepare's extra peak memory: {extra:.0f} MiB"
         )
     finally:
         if not args.dir:

@@ -169,6 +169,34 @@ def finish() -> None:
         watchdog.stop()
 
 
+def folder_is_shared(folder, process_id: int, num_processes: int, timeout_s: float = 120.0) -> bool:
+    """Whether every process sees the same `folder` (shared storage) rather than a folder of its own host:
+    process 0 writes a fresh token there and publishes it in the coordinator's store; each process compares
+    what it reads, and all learn whether every one of them matched."""
+    from pathlib import Path
+
+    if num_processes <= 1:
+        return True
+    client, probe = _client(), Path(folder) / ".meshlm-shared-probe"
+    ms = int(timeout_s * 1000)
+    if process_id == 0:
+        token = os.urandom(8).hex()
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        tmp = probe.with_name(f"{probe.name}.{token}.tmp")
+        tmp.write_text(token)
+        os.replace(tmp, probe)
+        client.key_value_set("meshlm/shared_probe", token, allow_overwrite=True)
+    token = client.blocking_key_value_get("meshlm/shared_probe", ms)
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    client.key_value_set(f"meshlm/shared_probe/{token}/{process_id}", "1" if seen else "0", allow_overwrite=True)
+    return all(
+        client.blocking_key_value_get(f"meshlm/shared_probe/{token}/{p}", ms) == "1" for p in range(num_processes)
+    )
+
+
 def _client():
     from jax._src import distributed  # the coordinator's key-value store has no public handle yet
 

@@ -39,13 +39,15 @@ JOB = [
 
 
 def launch(
-    n: int, flags: list[str], out: Path, devices_each: int = 4, port: int | None = None
+    n: int, flags: list[str], out: Path, devices_each: int = 4, port: int | None = None, env_each=None
 ) -> list[subprocess.Popen]:
+    """`meshlm train` in n processes; `env_each(pid)`: variables of one process's own."""
     port = port or free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    base = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    base.pop("XLA_FLAGS", None)
     procs = []
     for pid in range(n):
+        env = {**base, **(env_each(pid) if env_each else {})}
         cmd = [
             sys.executable,
             "-m",
@@ -292,6 +294,22 @@ def test_checkpoint_moves_between_two_processes_and_one(reference, single_runs, 
     got = losses(out)
     assert sorted(got) == [3, 4]
     np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_hosts_without_a_shared_cache_each_prepare_the_corpus(tmp_path):
+    """Processes whose cache folders differ (hosts with their own disks) do not wait for each other's token
+    shards: each prepares the whole corpus, and the run goes on."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * (i % 50)}) + "\n" for i in range(400)))
+    out = tmp_path / "run"
+    flags = [f"--dataset={corpus}", "--mesh_dim=2,2,2,1", "--steps=2"]
+    procs = launch(2, flags, out, env_each=lambda pid: {"MESHLM_CACHE": str(tmp_path / f"cache{pid}")})
+    wait_all(procs, out, timeout=300)
+    for pid in range(2):
+        assert len(list((tmp_path / f"cache{pid}" / "shards").glob("*/manifest.json"))) == 1
+    assert "is not shared by the hosts" in (out.parent / "run.p0.log").read_text()
+    assert sorted(losses(out)) == [1, 2]
 
 
 @pytest.mark.slow

@@ -77,22 +77,27 @@ def run(argv: list[str]) -> int:
     args = flags.parse_args(argv[1:])
     index, count = check(args)
     from meshlm.data.corpus import is_synthetic
+    from meshlm.data.mixture import is_mixture, load_tokenizer, read_mixture
     from meshlm.data.prepare import prepare_tokens
-    from meshlm.data.tokenizer import load_tokenizer
 
     if is_synthetic(args.dataset):
         raise UsageError("the synthetic dataset is random tokens made on the fly; there is nothing to prepare")
     tokenizer = load_tokenizer(
         args.tokenizer, args.dataset, vocab_size(args), cache_dir=args.cache_dir, text_field=args.text_field
     )
-    prepare_tokens(
-        args.dataset,
-        tokenizer,
-        cache_dir=args.cache_dir,
-        text_field=args.text_field,
-        workers=args.workers,
-        process_index=index,
-        process_count=count,
-        unit_bytes=None if args.unit_mb is None else int(args.unit_mb * 2**20),
-    )
+    # A mixture's sources are prepared one after another, each as `meshlm train` reads it.
+    sources = read_mixture(args.dataset).sources if is_mixture(args.dataset) else ()
+    for dataset, text_field in [(s.dataset, s.text_field or args.text_field) for s in sources] or [
+        (args.dataset, args.text_field)
+    ]:
+        prepare_tokens(
+            dataset,
+            tokenizer,
+            cache_dir=args.cache_dir,
+            text_field=text_field,
+            workers=args.workers,
+            process_index=index,
+            process_count=count,
+            unit_bytes=None if args.unit_mb is None else int(args.unit_mb * 2**20),
+        )
     return 0

@@ -243,7 +243,9 @@ class DataConfig:
     """Where the tokens come from."""
 
     dataset: str = _flag(
-        "stdlib", "stdlib (Python's own sources), synthetic, a .txt/.jsonl file, folder or glob, or hf:NAME[:split]"
+        "stdlib",
+        "stdlib (Python's own sources), synthetic, a .txt/.jsonl/.json (optionally .gz or .zst) or .parquet file, "
+        "folder or glob, hf:NAME[:split] (streamed), or a mixture file mix.toml/.yaml (docs/data.md)",
     )
     tokenizer: str | None = _flag(
         None, "tokenizer.json or a folder holding one (default: BPE trained on the dataset and cached)"
@@ -259,7 +261,9 @@ class ChatDataConfig:
     """Fine-tuning data: chat conversations (JSONL lines with a "messages" list, found by that list) and
     plain JSONL text under another key (docs/finetune.md)."""
 
-    text_field: str = _flag("text", "the JSONL key (or Hugging Face dataset column) that holds a plain-text document")
+    text_field: str = _flag(
+        "text", "the JSON key (or Parquet / Hugging Face dataset column) that holds a plain-text document"
+    )
     chat_template: str | None = _flag(
         None,
         "chat data: render conversations with this template: plain, chatml (Qwen), gemma, mistral, "

@@ -21,12 +21,12 @@ from meshlm.data.corpus import (
 )
 from meshlm.data.heldout import EvalBatches, make_eval_batches
 from meshlm.data.loader import DataLoader, held_out_rows, pack_rows, tokenize_corpus
-from meshlm.data.mixture import MixtureLoader, is_mixture, make_loader
+from meshlm.data.mixture import MixtureLoader, is_mixture, load_tokenizer, make_loader, token_corpora
+from meshlm.data.prepare import prepare_tokens
 from meshlm.data.tokenizer import (
     EOS_TOKEN,
     SyntheticTokenizer,
     Tokenizer,
-    load_tokenizer,
     train_tokenizer,
 )
 
@@ -49,6 +49,8 @@ __all__ = [
     "make_loader",
     "open_corpus",
     "pack_rows",
+    "prepare_tokens",
+    "token_corpora",
     "tokenize_corpus",
     "train_tokenizer",
 ]

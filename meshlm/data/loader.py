@@ -33,6 +33,7 @@ from meshlm.errors import UsageError
 
 _FORMAT = "tokens-v1"  # bump to invalidate cached token files when packing changes
 _ENCODE_CHUNK = 256  # documents per parallel encode call
+ROW_ORDER = "keyed-v1"  # the row order's version in a data state (meshlm.data.shuffle); older states have none
 
 
 def pack_rows(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
@@ -298,14 +299,15 @@ class DataLoader(ReadsAhead):
         """Extra per-step metrics (a mixture's tokens per source); none for one dataset."""
         return {}
 
-    def state(self) -> dict[str, int | float | None]:
+    def state(self) -> dict[str, int | float | str | None]:
         """The data position, to store in a checkpoint: the step of the next batch, and the
         epoch, seed, row count and held-out row count for checking."""
-        state: dict[str, int | float | None] = {
+        state: dict[str, int | float | str | None] = {
             "step": self.step,
             "epoch": self.epoch,
             "seed": self.seed,
             "rows": self.num_rows or 0,
+            "order": ROW_ORDER,
         }
         if self.held_out is not None:
             state.update(held_out=len(self.held_out), eval_split=self.eval_split)
@@ -330,6 +332,14 @@ class DataLoader(ReadsAhead):
             raise UsageError(
                 f"the checkpoint was trained {was} but this run has {now}; resume {was.split(' (')[0]} "
                 f"(the training rows must not change under a run), or use --eval_dataset"
+            )
+        if state.get("order") != ROW_ORDER and self.num_rows and self.process_index == 0:
+            Console(stderr=True).print(
+                f"[meshlm] the checkpoint's data position was saved with an earlier order of rows; from step "
+                f"{state['step']} on, rows follow this version's order (the same rows, shuffled differently)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
             )
         self.close()
         self.step = int(state["step"])

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
+import meshlm.data.tokenizer as tokenizers
+from meshlm.data.chat import is_chat_dataset
 from meshlm.data.corpus import is_synthetic
 from meshlm.data.loader import DataLoader
 from meshlm.data.loader import make_loader as make_dataset_loader
@@ -298,6 +300,28 @@ class MixtureLoader(ReadsAhead):
 
 def _held_count(loader: DataLoader) -> int:
     return len(loader.held_out) if loader.held_out is not None else 0
+
+
+def load_tokenizer(spec: str | None, dataset: str, vocab_size: int, *, text_field: str = "text", **kwargs):
+    """`meshlm.data.tokenizer.load_tokenizer`; without `spec`, a mixture's BPE is trained on its heaviest
+    source (by the weights it starts with; the first of equals)."""
+    if not spec and is_mixture(dataset):
+        mixture = read_mixture(dataset)
+        heaviest = max(range(len(mixture.sources)), key=lambda i: (mixture.phases[0][1][i], -i))
+        source = mixture.sources[heaviest]
+        dataset, text_field = source.dataset, source.text_field or text_field
+    return tokenizers.load_tokenizer(spec, dataset, vocab_size, text_field=text_field, **kwargs)
+
+
+def token_corpora(dataset: str, text_field: str = "text") -> list[tuple[str, str]]:
+    """(dataset, text_field) of each corpus `dataset` reads as token shards: the dataset, or a mixture's
+    sources; none for synthetic or chat data (tokenized in memory, `meshlm.data.chat`)."""
+    pairs = (
+        [(s.dataset, s.text_field or text_field) for s in read_mixture(dataset).sources]
+        if is_mixture(dataset)
+        else [(dataset, text_field)]
+    )
+    return [(d, f) for d, f in pairs if not is_synthetic(d) and not is_chat_dataset(d, f)]
 
 
 def make_loader(dataset: str, tokenizer, seq_len: int, global_batch_size: int, *args, **kwargs):

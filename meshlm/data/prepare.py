@@ -37,8 +37,10 @@ UNIT_BYTES = DEFAULT_UNIT_BYTES  # input bytes per unit at most: the work one wo
 MIN_UNIT_BYTES = 1 << 20  # ... and at least, unless the corpus is smaller
 TARGET_UNITS = 64  # units a corpus is cut into when that keeps them between those sizes
 CHUNK_CHARS = 1 << 20  # characters of text encoded per batch call: bounds a worker's memory
+IN_PROCESS_BYTES = 8 << 20  # less input than this to encode is encoded here: starting workers would cost more
 PEER_TIMEOUT = 600.0  # seconds without a new unit from another process before giving up
 _POLL = 0.5
+UNITS_RECORD = "units.json"  # in a shard folder: the unit size its preparation uses
 
 
 def unit_source(unit) -> str:
@@ -54,11 +56,30 @@ def unit_size(corpus) -> int:
     return int(min(UNIT_BYTES, max(MIN_UNIT_BYTES, total // TARGET_UNITS)))
 
 
-def shard_folder(corpus, tokenizer, cache_dir=None, unit_bytes: int | None = None) -> Path:
-    """Where `corpus` tokenized by `tokenizer` is prepared: keyed by format, corpus, fingerprints and unit size."""
-    key = f"{FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}|{unit_bytes or unit_size(corpus)}"
+def shard_folder(corpus, tokenizer, cache_dir=None) -> Path:
+    """Where `corpus` tokenized by `tokenizer` is prepared: keyed by format, corpus and fingerprints (not by the
+    unit size, which the folder's first preparation fixes: `settled_unit_bytes`)."""
+    key = f"{FORMAT}|{corpus.spec}|{corpus.fingerprint}|{tokenizer.fingerprint}"
     slug = re.sub(r"[^A-Za-z0-9]+", "_", corpus.spec).strip("_")[-40:] or "corpus"
     return cache_root(cache_dir) / "shards" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def settled_unit_bytes(folder: Path, wanted: int) -> int:
+    """The unit size of the preparation in `folder`: the first one asked for there (recorded in `units.json`),
+    so that a run resumed, or read by `meshlm train`, with another size reuses the finished units."""
+    record = folder / UNITS_RECORD
+    if not record.is_file():
+        try:
+            with open(record, "x") as f:  # the first process to get here decides
+                f.write(json.dumps({"unit_bytes": int(wanted)}) + "\n")
+        except FileExistsError:
+            pass
+    for _ in range(100):  # another process may be writing it right now
+        try:
+            return int(json.loads(record.read_text())["unit_bytes"])
+        except (ValueError, KeyError):
+            time.sleep(0.05)
+    raise UsageError(f"{record} cannot be read; delete {folder} and run again")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -152,11 +173,15 @@ def _done(folder: Path, index: int) -> bool:
 
 
 def _encode_units(todo, units, folder, tokenizer, workers, process_index, progress: UnitProgress) -> None:
-    """Encode units `todo` (indices into `units`): in worker processes for a meshlm Tokenizer, else here."""
+    """Encode units `todo` (indices into `units`): in worker processes for a meshlm Tokenizer, else (and for
+    one worker or less than `IN_PROCESS_BYTES` of input) here."""
     dtype = token_dtype(tokenizer.vocab_size).str
-    if not isinstance(tokenizer, Tokenizer):
+    small = sum(units[i].nbytes for i in todo) < IN_PROCESS_BYTES
+    if not isinstance(tokenizer, Tokenizer) or workers == 1 or small:
 
         def encode(texts):
+            if isinstance(tokenizer, Tokenizer):
+                return tokenizer.encode_batch(texts, special_as_text=True)
             return [tokenizer.encode(t) for t in texts]
 
         for i in todo:
@@ -260,13 +285,17 @@ def prepare_tokens(
         raise UsageError(f"process {process_index} is not in 0 .. {process_count - 1}; pass --process_id below it")
     console = console or Console(stderr=True)
     corpus = open_corpus(spec, text_field)
-    unit_bytes = unit_bytes or unit_size(corpus)
-    folder = shard_folder(corpus, tokenizer, cache_dir, unit_bytes)
+    folder = shard_folder(corpus, tokenizer, cache_dir)
     shards = _open_or_forget(folder, console)
     if shards is not None:
         return shards
-    folder.mkdir(parents=True, exist_ok=True)
-    units = corpus.units(unit_bytes)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(
+            f"cannot write token shards to {folder} ({e}); set --cache_dir or MESHLM_CACHE to a writable folder"
+        ) from e
+    units = corpus.units(settled_unit_bytes(folder, unit_bytes or unit_size(corpus)))
     mine = [i for i in range(len(units)) if i % process_count == process_index]
     todo = [i for i in mine if not _done(folder, i)]
     for i in todo:  # what an interrupted run of this process left half-written
@@ -292,6 +321,7 @@ def prepare_tokens(
 __all__ = [
     "CHUNK_CHARS",
     "MIN_UNIT_BYTES",
+    "IN_PROCESS_BYTES",
     "PEER_TIMEOUT",
     "TARGET_UNITS",
     "UNIT_BYTES",

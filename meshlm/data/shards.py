@@ -1,6 +1,6 @@
 """Token shards: a prepared corpus as one folder of `.npy` token streams, one per unit, read back as one stream.
 
-    shards = TokenShards(folder)          # checks every unit's file (`meshlm.data.token_cache`)
+    shards = TokenShards(folder)          # checks every unit's header and size (`meshlm.data.token_cache`)
     shards[a:b]                           # a numpy array, read across unit boundaries
     shards.ensure_intact()                # before reading: UsageError if a file shrank under its map
 
@@ -9,7 +9,9 @@ loading the rest, and nothing beyond numpy is needed. The folder holds `manifest
 spec and fingerprint, tokenizer fingerprint, dtype, vocabulary size and per unit: stem, label,
 source file, documents, tokens, input bytes, the process that wrote it), and per unit `unit-NNNNN.npy` (each
 document's ids followed by the end-of-text id) and `unit-NNNNN.docs.npy` (the int64 end offset of each
-document in the unit). `GrowingNpy` writes a stream a chunk at a time and fixes its header at the end.
+document in the unit). Opening reads no ids; each read checks its ids against the vocabulary (a corpus of
+any size starts at once, and a damaged file still stops a run in one line). `GrowingNpy` writes a stream a
+chunk at a time and fixes its header at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.data.token_cache import DamagedCache, open_token_cache
+from meshlm.errors import UsageError
 
 FORMAT = "shards-v1"  # bump when the folder's layout changes
 MANIFEST = "manifest.json"
@@ -88,7 +91,7 @@ class TokenShards:
     def _open_unit(self, unit: dict):
         path = self.folder / f"{unit['stem']}.npy"
         try:
-            stream = open_token_cache(path, self.dtype, self.manifest["vocab_size"])
+            stream = open_token_cache(path, self.dtype, self.manifest["vocab_size"], check_ids=False)
         except (DamagedCache, OSError) as e:
             raise DamagedShard(f"{path.name} {e}", unit["stem"]) from None
         if len(stream) != unit["tokens"]:
@@ -123,11 +126,21 @@ class TokenShards:
         while start < stop and first < len(self._streams):
             base = int(self._ends[first - 1]) if first else 0
             end = min(stop, int(self._ends[first]))
-            pieces.append(np.asarray(self._streams[first][start - base : end - base]))
+            pieces.append(self._checked(first, np.asarray(self._streams[first][start - base : end - base])))
             start, first = end, first + 1
         if len(pieces) == 1:
             return pieces[0]
         return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+
+    def _checked(self, unit: int, ids: np.ndarray) -> np.ndarray:
+        vocab_size = self.manifest["vocab_size"]
+        if ids.size and int(ids.max()) >= vocab_size:
+            path = self.folder / f"{self.units[unit]['stem']}.npy"
+            raise UsageError(
+                f"the token shard {path} holds id {int(ids.max())}, outside the tokenizer's vocabulary of "
+                f"{vocab_size}; delete {self.folder} and run again to prepare it anew"
+            )
+        return ids
 
     def __array__(self, dtype=None, copy=None):
         whole = self._read(0, len(self))

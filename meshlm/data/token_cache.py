@@ -62,9 +62,10 @@ class TokenStream(np.ndarray):
             self._guard.check()
 
 
-def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int) -> TokenStream:
+def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int, *, check_ids: bool = True) -> TokenStream:
     """The checked stream of `path` (module docstring), memory-mapped read-only; DamagedCache if it is not
-    a one-dimensional stream of `dtype` ids below `vocab_size` that fills the file exactly."""
+    a one-dimensional stream of `dtype` ids below `vocab_size` that fills the file exactly. `check_ids=False`
+    leaves the ids to the reader (one pass over a large corpus at every start costs more than its reads)."""
     path = Path(path)
     want = np.dtype(dtype)
     with open(path, "rb") as f:
@@ -89,7 +90,7 @@ def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int) -> TokenSt
         return np.zeros(0, want).view(TokenStream)
     tokens = np.memmap(path, dtype=want, mode="r", offset=offset, shape=shape).view(TokenStream)
     tokens._guard = _FileGuard(path, size)
-    for start in range(0, shape[0], ID_CHECK_CHUNK):
+    for start in range(0, shape[0] if check_ids else 0, ID_CHECK_CHUNK):
         top = int(tokens[start : start + ID_CHECK_CHUNK].max())
         if top >= vocab_size:
             raise DamagedCache(f"holds id {top}, outside the tokenizer's vocabulary of {vocab_size}")

@@ -36,6 +36,13 @@ def write_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
     return put(k_pages, k_new), put(v_pages, v_new)
 
 
+def copy_blocks(k_pages, v_pages, copies):
+    """Run copy-on-write block copies: copies [C, 2] int32 (source, destination) rows; returns the
+    updated (k_pages, v_pages). Destinations are distinct; no source is also a destination."""
+    source, destination = copies[:, 0], copies[:, 1]
+    return k_pages.at[destination].set(k_pages[source]), v_pages.at[destination].set(v_pages[source])
+
+
 def gather_pages(pages, block_tables):
     """[P, block_size, K, D] pages, [B, n] table -> the rows' contiguous caches [B, n · block_size, K, D]."""
     b, n = block_tables.shape
@@ -147,6 +154,7 @@ def paged_attention_gpu(
 
 __all__ = [
     "combine_kv_pages",
+    "copy_blocks",
     "gather_pages",
     "paged_attention_gpu",
     "paged_decode_attention",

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import optax
 
-from meshlm import data
+from meshlm import data, distributed
 from meshlm import job as joblib
 from meshlm.errors import UsageError
 from meshlm.optimizer import OptimizerConfig, lr_schedule, make_optimizer
@@ -62,6 +62,7 @@ def load_data(cfg, job) -> tuple[Any, Any, Any]:
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_cfg.vocab_size}; "
             f"set --model.vocab_size={tokenizer.vocab_size} (rounded up to a multiple of tp)"
         )
+    prepare_alone_without_shared_cache(cfg, tokenizer)
     loader = data.make_loader(
         cfg.dataset,
         tokenizer,
@@ -78,6 +79,24 @@ def load_data(cfg, job) -> tuple[Any, Any, Any]:
     )
     eval_batches = data.make_eval_batches(loader, cfg.eval_dataset, cfg.eval_batches) if cfg.evaluates else None
     return tokenizer, loader, eval_batches
+
+
+def prepare_alone_without_shared_cache(cfg, tokenizer) -> None:
+    """Several processes split a corpus's tokenizing only where they share the cache folder; on hosts each
+    with a folder of its own, every process prepares the whole corpus first (the loader then finds it)."""
+    if jax.process_count() == 1:
+        return
+    corpora = data.token_corpora(cfg.dataset, cfg.text_field)
+    if cfg.eval_dataset:
+        corpora += data.token_corpora(cfg.eval_dataset, cfg.text_field)
+    if not corpora or distributed.folder_is_shared(data.cache_root(), jax.process_index(), jax.process_count()):
+        return
+    if jax.process_index() == 0:
+        print(
+            f"[meshlm] the cache folder {data.cache_root()} is not shared by the hosts: each prepares the data itself"
+        )
+    for spec, text_field in corpora:
+        data.prepare_tokens(spec, tokenizer, text_field=text_field)
 
 
 def optimizer_config(cfg) -> OptimizerConfig:

@@ -78,3 +78,22 @@ def test_two_processes_prepare_one_corpus_together(tmp_path):
     assert [u["process"] for u in manifest["units"]] == [i % 2 for i in range(n)]
     shards = TokenShards(next((tmp_path / "cache" / "shards").iterdir()))
     np.testing.assert_array_equal(np.asarray(shards), reference_ids(spec, tok))
+
+
+def test_prepare_a_mixture_prepares_each_source_for_training(tmp_path, monkeypatch):
+    """`meshlm data prepare --dataset=mix.toml` prepares every source; a loader of the mixture then encodes nothing."""
+    from meshlm.data import load_tokenizer, make_loader
+    from meshlm.data import prepare as prep
+
+    for name, n in (("a", 30), ("b", 12)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"text": "{name} document {i} " }}\n' * 3 for i in range(n)))
+    mix = tmp_path / "mix.toml"
+    mix.write_text('[[sources]]\ndataset = "a.jsonl"\nweight = 2\n[[sources]]\ndataset = "b.jsonl"\nweight = 1\n')
+    cache = tmp_path / "cache"
+    assert main(["data", "prepare", f"--dataset={mix}", "--vocab_size=300", f"--cache_dir={cache}"]) == 0
+    assert len(list((cache / "shards").glob("*/manifest.json"))) == 2
+    tok = load_tokenizer(None, str(mix), 300, cache_dir=cache)
+    encoded = []
+    monkeypatch.setattr(prep, "_encode_units", lambda *a, **k: encoded.append(a))
+    loader = make_loader(str(mix), tok, 8, 4, cache_dir=cache, prefetch=0)
+    assert encoded == [] and next(loader)["inputs"].shape == (4, 8)

@@ -143,7 +143,7 @@ def test_seed_determinism(dataset, tok, cache, loader):
     assert not np.array_equal(loader.batch(0)["inputs"], other.batch(0)["inputs"])
 
 
-def test_resume_equals_fresh_iterator(dataset, tok, cache):
+def test_resume_equals_fresh_iterator(dataset, tok, cache, capsys):
     fresh = make_loader(dataset, tok, SEQ, BATCH, cache_dir=cache)
     it = iter(fresh)
     k = fresh.steps_per_epoch + 2  # resume in the second epoch
@@ -163,6 +163,10 @@ def test_resume_equals_fresh_iterator(dataset, tok, cache):
 
     with pytest.raises(UsageError, match="resume with seed 0"):
         make_loader(dataset, tok, SEQ, BATCH, seed=5, cache_dir=cache).restore(state)
+    assert "earlier order" not in capsys.readouterr().err
+    older = {key: value for key, value in state.items() if key != "order"}  # saved before keyed orders
+    make_loader(dataset, tok, SEQ, BATCH, cache_dir=cache).restore(older)
+    assert "earlier order of rows" in capsys.readouterr().err
     with pytest.raises(UsageError, match="resume with the same dataset"):
         make_loader(dataset, tok, SEQ // 2, BATCH, cache_dir=cache).restore(state)
 

@@ -176,3 +176,12 @@ def test_yaml_without_pyyaml_says_how_to_get_it(folder, monkeypatch):
     with pytest.raises(UsageError, match="pip install pyyaml, or write it as .toml") as err:
         read_mixture(spec)
     assert spec in str(err.value)
+
+
+def test_a_mixture_without_a_tokenizer_trains_it_on_its_heaviest_source(folder, tok):
+    """The default BPE of a mixture is the one its heaviest source (web, weight 5) would train."""
+    spec = mix_file(folder, THREE, name="heaviest.toml")
+    got = load_tokenizer(None, spec, 300, cache_dir=folder / "cache")
+    assert got.fingerprint == tok.fingerprint
+    lighter = load_tokenizer(None, str(folder / "books.jsonl"), 300, cache_dir=folder / "cache")
+    assert lighter.fingerprint != tok.fingerprint

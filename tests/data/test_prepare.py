@@ -53,10 +53,23 @@ def quiet():
     return Console(file=out, width=200), out
 
 
-def test_shards_hold_the_token_caches_ids(corpus):
-    spec, tok, cache = corpus
+@pytest.mark.parametrize("where", ["workers", "here"])
+def test_shards_hold_the_token_caches_ids(corpus, tmp_path, monkeypatch, where):
+    """In worker processes (what a large corpus gets) and in this process (a small one), the same ids."""
+    spec, tok, _ = corpus
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(prep, "IN_PROCESS_BYTES", 0 if where == "workers" else 1 << 30)
+    pools = []
+
+    class CountedPool(prep.cf.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            pools.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(prep.cf, "ProcessPoolExecutor", CountedPool)
     console, log = quiet()
     shards = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
+    assert len(pools) == (1 if where == "workers" else 0)
     expected = reference_ids(spec, tok)
     np.testing.assert_array_equal(tokenize_corpus(spec, tok, cache_dir=cache, console=quiet()[0]), expected)
     n = len(open_corpus(spec).units(UNIT))
@@ -99,6 +112,20 @@ def test_an_interrupted_preparation_does_only_the_missing_units(corpus):
     assert "(1 encoded now)" in log.getvalue()
     assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
     assert not list(folder.glob(".*.tmp"))
+    np.testing.assert_array_equal(np.asarray(again), whole)
+
+
+def test_a_resumed_preparation_keeps_its_first_unit_size(corpus):
+    """Stopped, then run again with another unit size (`meshlm train` takes its default): the first
+    preparation's units are kept and completed, not started over."""
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
+    whole, folder, n = np.asarray(first), first.folder, len(first.units)
+    for name in (f"{unit_stem(1)}.npy", f"{unit_stem(1)}.json", MANIFEST):
+        (folder / name).unlink()
+    console, log = quiet()
+    again = prep.prepare_tokens(spec, tok, cache_dir=cache, workers=1, console=console)  # the default size
+    assert again.folder == folder and len(again.units) == n and "(1 encoded now)" in log.getvalue()
     np.testing.assert_array_equal(np.asarray(again), whole)
 
 
@@ -171,6 +198,6 @@ def test_waiting_for_another_process_times_out_in_one_line(corpus):
             peer_timeout=1,
             console=quiet()[0],
         )
-    folder = prep.shard_folder(prep.open_corpus(spec), tok, cache, UNIT)
+    folder = prep.shard_folder(prep.open_corpus(spec), tok, cache)
     n = len(open_corpus(spec).units(UNIT))
-    assert sorted(p.name for p in folder.glob("*.json")) == [f"{unit_stem(i)}.json" for i in range(0, n, 2)]
+    assert sorted(p.name for p in folder.glob("unit-*.json")) == [f"{unit_stem(i)}.json" for i in range(0, n, 2)]

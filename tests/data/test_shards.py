@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from meshlm.data.shards import FORMAT, MANIFEST, DamagedShard, GrowingNpy, TokenShards, unit_stem
+from meshlm.errors import UsageError
 
 
 def write_shards(folder, pieces, dtype=np.uint16, vocab_size=1000):
@@ -63,6 +64,9 @@ def test_a_damaged_unit_is_named(tmp_path):
     assert e.value.stem == unit_stem(1)
 
 
-def test_ids_beyond_the_vocabulary_are_damage(tmp_path):
-    with pytest.raises(DamagedShard, match="outside the tokenizer's vocabulary"):
-        write_shards(tmp_path / "s", [[1, 2], [3, 999]], vocab_size=500)
+def test_ids_beyond_the_vocabulary_stop_the_read_that_meets_them(tmp_path):
+    """Opening reads no ids (a corpus of any size opens at once); a read meeting a bad id is one line."""
+    shards = write_shards(tmp_path / "s", [[1, 2], [3, 999]], vocab_size=500)
+    np.testing.assert_array_equal(shards[0:3], [1, 2, 3])
+    with pytest.raises(UsageError, match=f"{unit_stem(1)}.npy holds id 999, outside .* vocabulary of 500; delete"):
+        shards[1:4]

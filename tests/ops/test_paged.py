@@ -12,6 +12,7 @@ import pytest
 
 from meshlm.ops.decode import decode_attention
 from meshlm.ops.paged import (
+    copy_blocks,
     gather_pages,
     paged_attention_gpu,
     paged_decode_attention,
@@ -20,6 +21,7 @@ from meshlm.ops.paged import (
     table_positions,
     write_pages,
 )
+from meshlm.serve.engine.blocks import BlockPool, SequenceBlocks, ring_blocks_for_window
 
 BLOCK, PAGES, D = 4, 24, 8
 
@@ -180,3 +182,84 @@ def test_gpu_wrapper_on_a_gpu_equals_the_reference():
     want = paged_decode_attention(*(a.astype(jnp.float32) if i < 3 else a for i, a in enumerate(args)),
                                   last_positions(lengths, 1))  # fmt: skip
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2)
+
+
+jit_write = jax.jit(write_pages)
+jit_copy = jax.jit(copy_blocks)
+jit_attend = jax.jit(paged_decode_attention, static_argnames=("window", "softcap", "scale", "ring"))
+
+
+class Stepper:
+    """Sequences of a block pool advanced step by step as the engine would: grow the table, run the
+    grant's copies, write the new tokens' keys and values at the table's slots."""
+
+    def __init__(self, rng, kvh):
+        self.rng, self.kvh = rng, kvh
+        self.pool = BlockPool(PAGES, BLOCK)
+        self.k_pages, self.v_pages = (
+            jnp.asarray(rng.standard_normal((PAGES, BLOCK, kvh, D)), jnp.float32) for _ in range(2)
+        )
+        self.history = {}  # id(seq) -> (keys, values) of every position so far
+
+    def step(self, seq, n):
+        start = seq.num_tokens
+        grant = seq.append_tokens(n)
+        assert grant is not None
+        if grant.copies:
+            self.k_pages, self.v_pages = jit_copy(self.k_pages, self.v_pages, jnp.asarray(grant.copies, jnp.int32))
+        k, v = (self.rng.standard_normal((n, self.kvh, D)).astype(np.float32) for _ in range(2))
+        slots = jnp.asarray(seq.slots(start, n))
+        self.k_pages, self.v_pages = jit_write(self.k_pages, self.v_pages, jnp.asarray(k), jnp.asarray(v), slots)
+        old_k, old_v = self.history.get(id(seq), (np.zeros((0, self.kvh, D), np.float32),) * 2)
+        self.history[id(seq)] = (np.concatenate([old_k, k]), np.concatenate([old_v, v]))
+
+    def check(self, seqs, width, h=4, **kw):
+        """Each sequence's newest query against its pages equals the contiguous reference over its history."""
+        lengths = [s.num_tokens for s in seqs]
+        q = jnp.asarray(self.rng.standard_normal((len(seqs), 1, h, D)), jnp.float32)
+        tables = jnp.asarray(np.stack([s.padded_table(width) for s in seqs]))
+        q_pos = last_positions(lengths, 1)
+        got = jit_attend(q, self.k_pages, self.v_pages, tables, jnp.asarray(lengths), q_pos, **kw)
+        n = max(lengths)
+        pad = [
+            np.pad(np.stack(self.history[id(s)][i]), ((0, n - s.num_tokens), (0, 0), (0, 0)))
+            for s in seqs
+            for i in (0, 1)
+        ]
+        k, v, kv_pos = contiguous(np.stack(pad[0::2]), np.stack(pad[1::2]), lengths)
+        kw.pop("ring", None)
+        np.testing.assert_allclose(got, decode_attention(q, k, v, q_pos, kv_pos, **kw), atol=1e-5)
+
+
+def test_forked_sequences_step_through_their_tables():
+    """A prompt of 7 tokens, forked (the partial block copied), then each sample decodes its own tokens:
+    each attends the shared prompt and only its own continuation."""
+    stepper = Stepper(np.random.default_rng(6), kvh=2)
+    parent = SequenceBlocks(stepper.pool)
+    stepper.step(parent, 7)
+    child, copies = parent.fork()
+    stepper.k_pages, stepper.v_pages = jit_copy(stepper.k_pages, stepper.v_pages, jnp.asarray(copies, jnp.int32))
+    stepper.history[id(child)] = stepper.history[id(parent)]
+    for _ in range(6):
+        for seq in (parent, child):
+            stepper.step(seq, 1)
+        stepper.check([parent, child], width=4)
+    assert parent.table[0] == child.table[0] and parent.table[-1] != child.table[-1]
+
+
+def test_a_ring_sequence_steps_through_its_table():
+    """A sliding-window layer's ring (W = 6: 3 blocks of 4), forked mid-way: one token per step, each
+    step's query equals windowed attention over the whole history."""
+    stepper = Stepper(np.random.default_rng(7), kvh=2)
+    ring = ring_blocks_for_window(6, BLOCK)
+    seq = SequenceBlocks(stepper.pool, ring_blocks=ring)
+    stepper.step(seq, 5)
+    for _ in range(9):
+        stepper.step(seq, 1)
+    child, _ = seq.fork()
+    stepper.history[id(child)] = stepper.history[id(seq)]
+    for _ in range(8):
+        for s in (seq, child):
+            stepper.step(s, 1)
+        stepper.check([seq, child], width=ring, window=6, ring=True)
+    assert len(seq.table) == ring and not set(seq.table) & set(child.table)  # every shared block was copied

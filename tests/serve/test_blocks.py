@@ -218,3 +218,21 @@ def test_budget_refuses_what_does_not_fit():
         blocks_for_budget(1000, 1.5, 1, 1, 8, 2, 16)
     with pytest.raises(UsageError, match="no KV block"):
         blocks_for_budget(100, 1.0, 1, 1, 8, 2, 16)
+
+
+def test_generated_tokens_key_their_blocks_too():
+    """A conversation's next turn (prompt + reply + more) reuses the blocks the reply filled while it
+    was generated one token at a time; a sequence that appended tokens without ids keys nothing more."""
+    pool = BlockPool(16, 4)
+    first, _ = admit(pool, [1, 2, 3, 4, 5, 6])
+    for token in (7, 8, 9, 10, 11):
+        assert first.append_tokens(1, [token]) is not None
+    nxt = SequenceBlocks(pool)
+    assert nxt.reuse_prefix(list(range(1, 12)) + [50, 51]) == 8 and nxt.table == first.table[:2]
+    blind = SequenceBlocks(pool)
+    blind.append_tokens(2, [60, 61])
+    blind.append_tokens(1)
+    blind.append_tokens(5, [62, 63, 64, 65, 66])
+    assert SequenceBlocks(pool).reuse_prefix([60, 61, 62, 63, 64, 65, 66, 1, 2]) == 0  # not keyed misaligned
+    with pytest.raises(ValueError, match="token ids for"):
+        blind.append_tokens(2, [1])

@@ -174,7 +174,8 @@ class SequenceBlocks:
         self.table: list[int] = []
         self.num_tokens = 0
         self._keys: list[bytes] = []  # keys of the table's first full blocks
-        self._pending: list[int] = []  # token ids of the blocks not keyed yet (from block len(_keys) on)
+        # token ids of the blocks not keyed yet (from block len(_keys) on); None once some are unknown
+        self._pending: list[int] | None = []
 
     @property
     def ring_slots(self) -> int:
@@ -197,7 +198,10 @@ class SequenceBlocks:
     def append_tokens(self, n: int, token_ids: Sequence[int] | None = None) -> Grant | None:
         """Room for `n` more tokens: blocks added to the table and copies of shared blocks the tokens
         would be written into. None, with nothing changed, when the pool cannot supply them (the
-        scheduler then preempts a sequence). `token_ids` (the n tokens) key the blocks they fill."""
+        scheduler then preempts a sequence). `token_ids` (the n tokens) key the blocks they fill; after
+        one call without them, no later block of the sequence is keyed."""
+        if token_ids is not None and len(token_ids) != n:
+            raise ValueError(f"{len(token_ids)} token ids for {n} tokens")
         new_indices, shared = self._new_block_indices(n), self._shared_written(n)
         taken = self.pool.allocate(len(new_indices) + len(shared))
         if taken is None:
@@ -209,7 +213,9 @@ class SequenceBlocks:
             self.table[index] = fresh
         self.table.extend(taken[: len(new_indices)])
         self.num_tokens += n
-        if token_ids is not None and not self.ring_blocks:
+        if token_ids is None or self.ring_blocks:
+            self._pending = None  # tokens unknown from here: no later block is keyed
+        elif self._pending is not None:
             self._key_full_blocks(token_ids)
         return Grant(taken[: len(new_indices)], copies)
 
@@ -250,7 +256,8 @@ class SequenceBlocks:
         child = SequenceBlocks(self.pool, self.ring_blocks)
         self.pool.share(self.table)
         child.table, child.num_tokens = list(self.table), self.num_tokens
-        child._keys, child._pending = list(self._keys), list(self._pending)
+        child._keys = list(self._keys)
+        child._pending = None if self._pending is None else list(self._pending)
         partial = self.num_tokens % self.pool.block_size and not self.ring_blocks
         if not partial:
             return child, []
