@@ -187,10 +187,15 @@ def folder_is_shared(folder, process_id: int, num_processes: int, timeout_s: flo
         os.replace(tmp, probe)
         client.key_value_set("meshlm/shared_probe", token, allow_overwrite=True)
     token = client.blocking_key_value_get("meshlm/shared_probe", ms)
-    try:
-        seen = probe.read_text() == token
-    except OSError:
-        seen = False
+    seen = False
+    for _ in range(10):  # a network file system may show the new file a moment late
+        try:
+            seen = probe.read_text() == token
+        except OSError:
+            seen = False
+        if seen:
+            break
+        time.sleep(0.5)
     client.key_value_set(f"meshlm/shared_probe/{token}/{process_id}", "1" if seen else "0", allow_overwrite=True)
     return all(
         client.blocking_key_value_get(f"meshlm/shared_probe/{token}/{p}", ms) == "1" for p in range(num_processes)

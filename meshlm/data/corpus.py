@@ -184,6 +184,9 @@ class FileCorpus(Corpus):
         return h.hexdigest()[:16]
 
 
+MAX_DOCUMENT_BYTES = 64 << 20  # a .txt document longer than this (no separator line in it) is refused
+
+
 def _file_pieces(path: str, max_unit_bytes: int) -> list[Piece]:
     """One file as pieces: byte ranges cut at document starts when it is big and splittable, runs of
     row groups for parquet, else the whole file."""
@@ -197,7 +200,14 @@ def _file_pieces(path: str, max_unit_bytes: int) -> list[Piece]:
     while start < size:
         target = start + max_unit_bytes
         stop = size if target >= size else readers.cut_at_or_before(path, kind, start, target)
-        stop = stop or after(path, target, size)  # a document longer than max_unit_bytes: past it
+        if not stop:  # a document longer than max_unit_bytes: the piece runs to its end
+            stop = after(path, target, size)
+            if kind == "txt" and stop - start > MAX_DOCUMENT_BYTES:
+                raise UsageError(
+                    f"{path}: {stop - start:,} bytes from byte {start:,} hold no line with only {readers.SEPARATOR}, "
+                    f"one document too long to tokenize in bounded memory; separate its documents with such lines "
+                    f"(docs/data.md, Inputs) or give them as .jsonl"
+                )
         pieces.append(Piece(kind, path, start, stop, stop - start))
         start = stop
     return pieces
@@ -342,7 +352,10 @@ def _local_files(spec: str) -> list[Path]:
         files = [p for p in matches if p.is_file()]
         if not files:
             raise UsageError(f"glob {spec!r} matched no files; check the pattern")
-        return files
+        supported = [p for p in files if readers.is_supported(str(p))]  # not _SUCCESS, .crc, archives, ...
+        if not supported:
+            raise UsageError(f"glob {spec!r} matched no {_SUPPORTED} files (first: {files[0]}); check the pattern")
+        return supported
     raise UsageError(
         f"unknown dataset {spec!r}: use stdlib, synthetic, hf:NAME[:split], "
         f"or an existing file ({_SUPPORTED}), directory or glob"

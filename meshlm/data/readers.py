@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,7 +69,7 @@ def open_input(path: str):
         else:
             stream = handle
         yield stream
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:
         if comp == ".gz":
             raise UsageError(f"{path}: not a valid gzip file ({e}); fix or rename it") from None
         raise UsageError(f"cannot read {path}: {e}; check the path and permissions") from None
@@ -215,9 +216,19 @@ def _line_where(path: str, lineno: int, start: int, offset: int) -> str:
 
 
 def json_documents(path: str, text_field: str) -> Iterator[str]:
-    """A .json file's documents: a list of records (read whole), one record, or records one per line."""
+    """A .json file's documents: a list of records (read whole), one record, or records one per line (read
+    a line at a time, as .jsonl: many "*.json" dumps are JSON lines)."""
     with open_input(path) as stream:
-        data = stream.read()
+        first = stream.readline()
+        while first and not first.strip():
+            first = stream.readline()
+        if first.lstrip()[:1] == b"{" and _one_record(first):
+            yield from _non_empty_text(record_text(json.loads(first), text_field, f"{path} (record 0)"))
+            for lineno, raw in enumerate(stream, start=2):
+                if raw.strip():
+                    yield from _json_line_text(path, lineno, raw, text_field)
+            return
+        data = first + stream.read()
     try:
         records = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -230,6 +241,22 @@ def json_documents(path: str, text_field: str) -> Iterator[str]:
         raise UsageError(f"{path}: a .json file must hold a list of records or one record per line; fix the file")
     for i, record in enumerate(records):
         yield from _non_empty_text(record_text(record, text_field, f"{path} (record {i})"))
+
+
+def _one_record(line: bytes) -> bool:
+    """Whether a line is a whole JSON object by itself (a JSON-lines file), not the start of a longer one."""
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+def _json_line_text(path: str, lineno: int, raw: bytes, text_field: str) -> Iterator[str]:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}:{lineno}: not a valid UTF-8 JSON line ({e}); fix or remove it") from None
+    yield from _non_empty_text(record_text(record, text_field, f"{path}:{lineno}"))
 
 
 def _json_lines(path: str, data: bytes, error: json.JSONDecodeError) -> list:

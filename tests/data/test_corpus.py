@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import meshlm.data.corpus as corpus_module
 from meshlm.data import cache_root, is_synthetic, open_corpus
 from meshlm.data.corpus import stdlib_files
 from meshlm.errors import UsageError
@@ -191,6 +192,25 @@ def test_units_cut_a_big_txt_at_separators(tmp_path, max_unit_bytes):
     assert [d for u in units for d in u.documents()] == docs
     assert len(units) == (30 if max_unit_bytes == 1 else 1 if max_unit_bytes == 10**6 else len(units))
     assert max_unit_bytes == 10**6 or len(units) > 1
+
+
+def test_a_txt_document_too_long_for_bounded_memory_is_one_line(tmp_path, monkeypatch):
+    """A big .txt without separator lines would be one document held whole; past the limit it is refused."""
+    monkeypatch.setattr(corpus_module, "MAX_DOCUMENT_BYTES", 500)
+    path = tmp_path / "book.txt"
+    path.write_text("a line of a long book\n" * 100)  # 2,200 bytes, no separator
+    with pytest.raises(UsageError, match=r"book\.txt: 2,200 bytes from byte 0 hold no line with only <\|endoftext\|>"):
+        open_corpus(str(path)).units(max_unit_bytes=100)
+    assert len(open_corpus(str(path)).units(max_unit_bytes=10_000)) == 1  # a whole small file is one document
+
+
+def test_a_glob_reads_only_supported_files(tmp_path):
+    (tmp_path / "part-0.jsonl").write_text('{"text": "kept"}\n')
+    (tmp_path / "_SUCCESS").write_text("")
+    (tmp_path / "part-0.jsonl.crc").write_bytes(b"\x00\x01")
+    assert list(open_corpus(str(tmp_path / "*")).documents()) == ["kept"]
+    with pytest.raises(UsageError, match=r"matched no .* files \(first: .*_SUCCESS\)"):
+        open_corpus(str(tmp_path / "_*"))
 
 
 def test_units_group_small_files_in_order(tmp_path):

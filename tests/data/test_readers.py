@@ -51,6 +51,16 @@ def test_compressed_inputs_equal_plain(tmp_path, suffix, compress):
     assert [u.label.rsplit("/", 1)[-1] for u in packed] == [f"a.txt{suffix}", f"b.jsonl{suffix}", f"c.json{suffix}"]
 
 
+def test_json_lines_in_a_json_file_are_read_a_line_at_a_time(tmp_path, monkeypatch):
+    """A "*.json.gz" of JSON lines (a common dump format) streams: it is never read whole."""
+    (tmp_path / "dump.json.gz").write_bytes(gzip.compress(_jsonl(ROWS * 3)))
+    monkeypatch.setattr(gzip.GzipFile, "read", lambda *a, **k: pytest.fail("read whole"))
+    assert _docs(tmp_path / "dump.json.gz") == TEXTS * 3
+    (tmp_path / "bad.json").write_bytes(_jsonl(ROWS) + b"{broken\n")
+    with pytest.raises(UsageError, match=r"bad\.json:4: not a valid UTF-8 JSON line"):
+        _docs(tmp_path / "bad.json")
+
+
 def test_json_list_single_record_and_lines(tmp_path):
     (tmp_path / "list.json").write_text(json.dumps(ROWS, indent=2))
     (tmp_path / "one.json").write_text(json.dumps({"body": "only one"}, indent=2))
@@ -97,6 +107,11 @@ def test_missing_text_field_names_file_row_and_keys(tmp_path):
             r"a\.jsonl\.gz: not a valid gzip file .*; fix or rename it",
         ),
         ("cut.txt.gz", gzip.compress(b"some text " * 50)[:30], r"cut\.txt\.gz: not a valid gzip file .*end-of-stream"),
+        (
+            "flipped.jsonl.gz",
+            (lambda z: z[:20] + bytes(b ^ 0xFF for b in z[20:40]) + z[40:])(gzip.compress(_jsonl(ROWS) * 20)),
+            r"flipped\.jsonl\.gz: not a valid gzip file",
+        ),
         ("a.txt.zst", b"plain text", r"a\.txt\.zst: not a valid zstd file .*; fix or rename it"),
         ("a.parquet", b"text, not parquet", r"a\.parquet: not a parquet file .*; fix or rename it"),
         ("a.json", b"{not json at all", r"a\.json: not JSON .*; fix the file"),
