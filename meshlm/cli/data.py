@@ -33,7 +33,11 @@ def parser() -> Parser:
         type=float,
         help="input MB per unit of work, cut at documents [default: the corpus over 64, 1 to 256]",
     )
-    work.add_argument("--cache_dir", help="cache folder [default: $MESHLM_CACHE, else ~/.cache/meshlm]")
+    work.add_argument(
+        "--cache_dir",
+        help="cache folder [default: $MESHLM_CACHE, else ~/.cache/meshlm]; meshlm train reads the shards from "
+        "$MESHLM_CACHE, so set it to this same folder",
+    )
     add_section_flags(p, config.ClusterConfig, title="several processes", only=("num_processes", "process_id"))
     return p
 

@@ -4,8 +4,9 @@
 
 The corpus's units (`Corpus.units`) are encoded by worker processes started with `spawn` (the caller may
 have JAX running: nothing is forked), each taking whole units and writing them a chunk of documents at a
-time, so memory stays bounded. A unit is written under a temporary name and renamed when complete, then
-its record (`unit-NNNNN.json`) marks it done: an interrupted run keeps its finished units. With several
+time, so memory stays bounded. A unit is written under a temporary name (host, process and a random part)
+and renamed when complete, then its record (`unit-NNNNN.json`) marks it done: an interrupted run keeps its
+finished units, and a start removes only temp files no one has written to for STALE_TMP_AGE. With several
 processes, process p encodes the units u with u % process_count == p, waits for the others' units, and
 process 0 writes the manifest. Tokenizers other than a meshlm `Tokenizer` are run in this process.
 """
@@ -20,6 +21,8 @@ import multiprocessing
 import os
 import queue
 import re
+import secrets
+import socket
 import time
 from pathlib import Path
 
@@ -38,7 +41,8 @@ MIN_UNIT_BYTES = 1 << 20  # ... and at least, unless the corpus is smaller
 TARGET_UNITS = 64  # units a corpus is cut into when that keeps them between those sizes
 CHUNK_CHARS = 1 << 20  # characters of text encoded per batch call: bounds a worker's memory
 IN_PROCESS_BYTES = 8 << 20  # less input than this to encode is encoded here: starting workers would cost more
-PEER_TIMEOUT = 600.0  # seconds without a new unit from another process before giving up
+PEER_TIMEOUT = 600.0  # seconds without progress from another process (a unit, or a temp file growing) before giving up
+STALE_TMP_AGE = 600.0  # seconds since a temp file last grew before a start takes its writer for dead
 _POLL = 0.5
 UNITS_RECORD = "units.json"  # in a shard folder: the unit size its preparation uses
 
@@ -69,17 +73,39 @@ def settled_unit_bytes(folder: Path, wanted: int) -> int:
     so that a run resumed, or read by `meshlm train`, with another size reuses the finished units."""
     record = folder / UNITS_RECORD
     if not record.is_file():
+        tmp = folder / f".{UNITS_RECORD}.{_writer_tag()}"
         try:
-            with open(record, "x") as f:  # the first process to get here decides
-                f.write(json.dumps({"unit_bytes": int(wanted)}) + "\n")
+            tmp.write_text(json.dumps({"unit_bytes": int(wanted)}) + "\n")
+            os.link(tmp, record)  # complete before it appears; the first process to link it decides
         except FileExistsError:
             pass
+        finally:
+            tmp.unlink(missing_ok=True)
     for _ in range(100):  # another process may be writing it right now
         try:
             return int(json.loads(record.read_text())["unit_bytes"])
         except (ValueError, KeyError):
             time.sleep(0.05)
     raise UsageError(f"{record} cannot be read; delete {folder} and run again")
+
+
+def _writer_tag() -> str:
+    """A temp file's suffix, unique to this writer among processes and hosts sharing the folder."""
+    host = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()) or "host"
+    return f"{host}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _remove_stale_temps(folder: Path, indices, max_age: float) -> None:
+    """Remove the temp files of units `indices` not written to for `max_age` seconds (their writer stopped);
+    a live writer's, of this host or another, are left to it."""
+    now = time.time()
+    for i in indices:
+        for tmp in folder.glob(f".{unit_stem(i)}.*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > max_age:
+                    tmp.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -111,7 +137,7 @@ def _flatten(batch: list[list[int]], eos_id: int, dtype) -> tuple[np.ndarray, np
 def write_unit(unit, folder: Path, index: int, encode, eos_id: int, dtype, report, process_index: int = 0) -> dict:
     """Encode `unit` into `folder` (files renamed into place when complete, then its record); `encode(texts)`
     gives each text's ids, `report(documents, tokens, bytes)` hears of every chunk. Returns the record."""
-    stem, tag = unit_stem(index), f"{os.getpid()}.tmp"
+    stem, tag = unit_stem(index), _writer_tag()
     tmp_tokens, tmp_ends = folder / f".{stem}.npy.{tag}", folder / f".{stem}.docs.npy.{tag}"
     tokens, ends = GrowingNpy(tmp_tokens, dtype), GrowingNpy(tmp_ends, np.int64)
     n_docs, reported = 0, 0
@@ -127,8 +153,15 @@ def write_unit(unit, folder: Path, index: int, encode, eos_id: int, dtype, repor
         tokens.close()
         ends.close()
         report(0, 0, max(0, unit.nbytes - reported))
-        os.replace(tmp_ends, folder / f"{stem}.docs.npy")
-        os.replace(tmp_tokens, folder / f"{stem}.npy")
+        try:
+            os.replace(tmp_ends, folder / f"{stem}.docs.npy")
+            os.replace(tmp_tokens, folder / f"{stem}.npy")
+        except FileNotFoundError:
+            if _done(folder, index):  # another preparation of the folder finished it meanwhile
+                return json.loads((folder / f"{stem}.json").read_text())
+            raise UsageError(
+                f"the temporary files of {stem} in {folder} were removed while this process wrote them; run again"
+            ) from None
     finally:
         for tmp in (tmp_tokens, tmp_ends):
             tmp.unlink(missing_ok=True)
@@ -220,15 +253,29 @@ def _drain(reports, progress: UnitProgress, timeout: float) -> None:
         pass
 
 
+def _temp_growth(folder: Path) -> dict[str, tuple[int, int]]:
+    """name -> (size, mtime) of each unit temp file in `folder`: what a unit being written changes."""
+    out = {}
+    for tmp in folder.glob(".unit-*.tmp"):
+        try:
+            st = tmp.stat()
+        except FileNotFoundError:
+            continue
+        out[tmp.name] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
 def _wait_for(paths: list[Path], what: str, timeout: float) -> None:
-    """Poll until every path exists; UsageError when none appears for `timeout` seconds."""
-    missing, last_change = [p for p in paths if not p.exists()], time.monotonic()
+    """Poll until every path exists; UsageError when for `timeout` seconds none appears and no unit temp file
+    in their folder grows (a unit may take longer than the timeout to write)."""
+    folder = paths[0].parent
+    missing, last_change, temps = [p for p in paths if not p.exists()], time.monotonic(), _temp_growth(folder)
     while missing:
         time.sleep(_POLL)
-        still = [p for p in missing if not p.exists()]
-        if len(still) < len(missing):
+        still, now_temps = [p for p in missing if not p.exists()], _temp_growth(folder)
+        if len(still) < len(missing) or any(temps.get(name) != seen for name, seen in now_temps.items()):
             last_change = time.monotonic()
-        missing = still
+        missing, temps = still, now_temps
         if missing and time.monotonic() - last_change > timeout:
             raise UsageError(
                 f"waited {timeout:.0f} s for {what} ({len(missing)} missing, first {missing[0]}); start every "
@@ -298,9 +345,7 @@ def prepare_tokens(
     units = corpus.units(settled_unit_bytes(folder, unit_bytes or unit_size(corpus)))
     mine = [i for i in range(len(units)) if i % process_count == process_index]
     todo = [i for i in mine if not _done(folder, i)]
-    for i in todo:  # what an interrupted run of this process left half-written
-        for tmp in folder.glob(f".{unit_stem(i)}.*.tmp"):
-            tmp.unlink(missing_ok=True)
+    _remove_stale_temps(folder, todo, STALE_TMP_AGE)  # what an interrupted run left half-written
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     with UnitProgress(console, corpus.spec, sum(units[i].nbytes for i in todo)) as progress:
         if todo:
@@ -323,6 +368,7 @@ __all__ = [
     "MIN_UNIT_BYTES",
     "IN_PROCESS_BYTES",
     "PEER_TIMEOUT",
+    "STALE_TMP_AGE",
     "TARGET_UNITS",
     "UNIT_BYTES",
     "prepare_tokens",

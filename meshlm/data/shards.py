@@ -1,8 +1,8 @@
 """Token shards: a prepared corpus as one folder of `.npy` token streams, one per unit, read back as one stream.
 
-    shards = TokenShards(folder)          # checks every unit's header and size (`meshlm.data.token_cache`)
-    shards[a:b]                           # a numpy array, read across unit boundaries
-    shards.ensure_intact()                # before reading: UsageError if a file shrank under its map
+    shards = TokenShards(folder)          # checks every unit's header and size, keeping no file open
+    shards[a:b]                           # a numpy array (a copy), read across unit boundaries
+    shards.ensure_intact()                # before reading: UsageError if an open unit's file shrank
 
 The files are plain numpy `.npy` memory maps, the token cache's own format: any offset reads without
 loading the rest, and nothing beyond numpy is needed. The folder holds `manifest.json` (format, corpus
@@ -10,23 +10,27 @@ spec and fingerprint, tokenizer fingerprint, dtype, vocabulary size and per unit
 source file, documents, tokens, input bytes, the process that wrote it), and per unit `unit-NNNNN.npy` (each
 document's ids followed by the end-of-text id) and `unit-NNNNN.docs.npy` (the int64 end offset of each
 document in the unit). Opening reads no ids; each read checks its ids against the vocabulary (a corpus of
-any size starts at once, and a damaged file still stops a run in one line). `GrowingNpy` writes a stream a
-chunk at a time and fixes its header at the end.
+any size starts at once, and a damaged file still stops a run in one line). Units are mapped when first
+read and at most OPEN_UNITS stay mapped (the least recently read closed first), so a corpus of any number
+of units stays within the descriptor limit. `GrowingNpy` writes a stream a chunk at a time.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.token_cache import DamagedCache, open_token_cache
+from meshlm.data.token_cache import DamagedCache, open_token_cache, read_stream_header
 from meshlm.errors import UsageError
 
 FORMAT = "shards-v1"  # bump when the folder's layout changes
 MANIFEST = "manifest.json"
+OPEN_UNITS = 64  # units mapped at once at most (two descriptors each)
 
 
 class DamagedShard(DamagedCache):
@@ -85,17 +89,49 @@ class TokenShards:
             raise DamagedCache(f"{self.folder / MANIFEST} is format {self.manifest.get('format')!r}, not {FORMAT}")
         self.dtype = np.dtype(self.manifest["dtype"])
         self.units: list[dict] = self.manifest["units"]
-        self._streams = [self._open_unit(u) for u in self.units]
-        self._ends = np.cumsum([len(s) for s in self._streams], dtype=np.int64)
+        for unit in self.units:
+            self._check_unit(unit)
+        self._ends = np.cumsum([u["tokens"] for u in self.units], dtype=np.int64)
+        self._open: OrderedDict[int, np.ndarray] = OrderedDict()  # unit -> its stream, least recently read first
 
-    def _open_unit(self, unit: dict):
-        path = self.folder / f"{unit['stem']}.npy"
+    def _path(self, unit: int | dict) -> Path:
+        return self.folder / f"{(self.units[unit] if isinstance(unit, int) else unit)['stem']}.npy"
+
+    def _check_unit(self, unit: dict) -> None:
+        """DamagedShard if the unit's file is missing or its header and size do not hold its manifest's tokens
+        (the file is opened for its header and closed again)."""
+        path = self._path(unit)
+        try:
+            _, length = read_stream_header(path, self.dtype)
+        except FileNotFoundError:
+            raise DamagedShard(f"{path.name} is missing", unit["stem"]) from None
+        except DamagedCache as e:
+            raise DamagedShard(f"{path.name} {e}", unit["stem"]) from None
+        except OSError as e:
+            raise _not_damage(path, e) from None
+        if length != unit["tokens"]:
+            raise DamagedShard(f"{path.name} holds {length} tokens, the manifest {unit['tokens']}", unit["stem"])
+
+    def _stream(self, unit: int) -> np.ndarray:
+        """Unit `unit`'s memory map, opened now if it is not open (closing the least recently read beyond
+        OPEN_UNITS)."""
+        if unit in self._open:
+            self._open.move_to_end(unit)
+            return self._open[unit]
+        path = self._path(unit)
         try:
             stream = open_token_cache(path, self.dtype, self.manifest["vocab_size"], check_ids=False)
-        except (DamagedCache, OSError) as e:
-            raise DamagedShard(f"{path.name} {e}", unit["stem"]) from None
-        if len(stream) != unit["tokens"]:
-            raise DamagedShard(f"{path.name} holds {len(stream)} tokens, the manifest {unit['tokens']}", unit["stem"])
+        except DamagedCache as e:
+            raise UsageError(
+                f"the token shard {path} {e} since this run opened it; run again to prepare it anew"
+            ) from None
+        except OSError as e:
+            raise _not_damage(path, e) from None
+        if len(stream) != self.units[unit]["tokens"]:
+            raise UsageError(f"the token shard {path} changed since this run opened it; run again to prepare it anew")
+        self._open[unit] = stream
+        while len(self._open) > max(1, OPEN_UNITS):
+            self._open.popitem(last=False)  # its map and descriptors close with their last reference
         return stream
 
     def __len__(self) -> int:
@@ -123,10 +159,11 @@ class TokenShards:
         """Tokens [start, stop) as one array, from as many units as they span."""
         first = int(np.searchsorted(self._ends, start, side="right"))
         pieces = []
-        while start < stop and first < len(self._streams):
+        while start < stop and first < len(self.units):
             base = int(self._ends[first - 1]) if first else 0
             end = min(stop, int(self._ends[first]))
-            pieces.append(self._checked(first, np.asarray(self._streams[first][start - base : end - base])))
+            piece = np.array(self._stream(first)[start - base : end - base])  # a copy: holds no map open
+            pieces.append(self._checked(first, piece))
             start, first = end, first + 1
         if len(pieces) == 1:
             return pieces[0]
@@ -135,7 +172,7 @@ class TokenShards:
     def _checked(self, unit: int, ids: np.ndarray) -> np.ndarray:
         vocab_size = self.manifest["vocab_size"]
         if ids.size and int(ids.max()) >= vocab_size:
-            path = self.folder / f"{self.units[unit]['stem']}.npy"
+            path = self._path(unit)
             raise UsageError(
                 f"the token shard {path} holds id {int(ids.max())}, outside the tokenizer's vocabulary of "
                 f"{vocab_size}; delete {self.folder} and run again to prepare it anew"
@@ -147,8 +184,9 @@ class TokenShards:
         return whole if dtype is None else whole.astype(dtype)
 
     def ensure_intact(self) -> None:
-        """UsageError (one line) if a unit's file has shrunk since it was opened."""
-        for stream in self._streams:
+        """UsageError (one line) if an open unit's file has shrunk since it was mapped (a unit not open is
+        checked when a read opens it)."""
+        for stream in self._open.values():
             stream.ensure_intact()
 
     def document_ends(self, unit: int) -> np.ndarray:
@@ -168,4 +206,15 @@ class TokenShards:
         return f"TokenShards({str(self.folder)!r}, units={len(self.units)}, tokens={len(self)})"
 
 
-__all__ = ["FORMAT", "MANIFEST", "DamagedShard", "GrowingNpy", "TokenShards", "unit_stem"]
+def _not_damage(path: Path, error: OSError) -> UsageError:
+    """The one-line error for a unit file that cannot be opened for a reason other than damage (nothing
+    is deleted): too many open files names the limit to raise."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        return UsageError(
+            f"cannot open the token shard {path}: too many open files ({error.strerror}); raise the limit "
+            "(ulimit -n 65536) and run again"
+        )
+    return UsageError(f"cannot open the token shard {path} ({error}); fix its folder's permissions and run again")
+
+
+__all__ = ["FORMAT", "MANIFEST", "OPEN_UNITS", "DamagedShard", "GrowingNpy", "TokenShards", "unit_stem"]

@@ -62,12 +62,11 @@ class TokenStream(np.ndarray):
             self._guard.check()
 
 
-def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int, *, check_ids: bool = True) -> TokenStream:
-    """The checked stream of `path` (module docstring), memory-mapped read-only; DamagedCache if it is not
-    a one-dimensional stream of `dtype` ids below `vocab_size` that fills the file exactly. `check_ids=False`
-    leaves the ids to the reader (one pass over a large corpus at every start costs more than its reads)."""
-    path = Path(path)
-    want = np.dtype(dtype)
+def read_stream_header(path: str | os.PathLike, dtype) -> tuple[int, int]:
+    """(offset of the ids, their count) of the `.npy` stream `path`, its header read and its size checked
+    against it; DamagedCache if it is not a one-dimensional stream of `dtype` ids that fills the file
+    exactly. Keeps no descriptor open."""
+    path, want = Path(path), np.dtype(dtype)
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
@@ -81,11 +80,22 @@ def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int, *, check_i
         except (ValueError, SyntaxError, OSError) as e:
             raise DamagedCache(f"has no readable .npy header ({e})") from None
         offset = f.tell()
+        size = os.fstat(f.fileno()).st_size
     if got != want or len(shape) != 1 or fortran:
         raise DamagedCache(f"holds a {got} array of shape {shape}, not a stream of {want} ids")
-    expected, size = offset + shape[0] * want.itemsize, path.stat().st_size
+    expected = offset + shape[0] * want.itemsize
     if size != expected:
         raise DamagedCache(f"is {size:,} bytes and its header says {expected:,}")
+    return offset, int(shape[0])
+
+
+def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int, *, check_ids: bool = True) -> TokenStream:
+    """The checked stream of `path` (module docstring), memory-mapped read-only; DamagedCache if it is not
+    a one-dimensional stream of `dtype` ids below `vocab_size` that fills the file exactly. `check_ids=False`
+    leaves the ids to the reader (one pass over a large corpus at every start costs more than its reads)."""
+    path, want = Path(path), np.dtype(dtype)
+    offset, length = read_stream_header(path, want)
+    shape, size = (length,), offset + length * want.itemsize
     if shape[0] == 0:
         return np.zeros(0, want).view(TokenStream)
     tokens = np.memmap(path, dtype=want, mode="r", offset=offset, shape=shape).view(TokenStream)
@@ -97,4 +107,4 @@ def open_token_cache(path: str | os.PathLike, dtype, vocab_size: int, *, check_i
     return tokens
 
 
-__all__ = ["DamagedCache", "TokenStream", "open_token_cache", "ID_CHECK_CHUNK"]
+__all__ = ["DamagedCache", "TokenStream", "open_token_cache", "read_stream_header", "ID_CHECK_CHUNK"]

@@ -1,14 +1,18 @@
 """Preparing token shards: the same ids as the one-process token cache, resumed, reused, split between processes."""
 
+import errno
 import io
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
 from rich.console import Console
 
 from meshlm.data import prepare as prep
+from meshlm.data import shards as shards_module
 from meshlm.data.corpus import open_corpus
 from meshlm.data.loader import tokenize_corpus
 from meshlm.data.shards import MANIFEST, unit_stem
@@ -104,14 +108,17 @@ def test_an_interrupted_preparation_does_only_the_missing_units(corpus):
     whole, folder = np.asarray(first), first.folder
     for name in (f"{unit_stem(2)}.npy", f"{unit_stem(2)}.json", MANIFEST):  # as if stopped while unit 2 was written
         (folder / name).unlink()
-    (folder / f".{unit_stem(2)}.npy.123.tmp").write_bytes(b"half")
+    stale, live = folder / f".{unit_stem(2)}.npy.h.123.ab.tmp", folder / f".{unit_stem(2)}.npy.other.456.cd.tmp"
+    stale.write_bytes(b"half")
+    os.utime(stale, (0, os.stat(stale).st_mtime - prep.STALE_TMP_AGE - 5))  # its writer long gone
+    live.write_bytes(b"another preparation's, still growing")
     others = [i for i in range(len(first.units)) if i != 2]
     kept = {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
     console, log = quiet()
     again = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=2, console=console)
     assert "(1 encoded now)" in log.getvalue()
     assert kept == {i: os.stat(folder / f"{unit_stem(i)}.npy").st_mtime_ns for i in others}
-    assert not list(folder.glob(".*.tmp"))
+    assert list(folder.glob(".*.tmp")) == [live]  # a live writer's temp file is left to it
     np.testing.assert_array_equal(np.asarray(again), whole)
 
 
@@ -201,3 +208,78 @@ def test_waiting_for_another_process_times_out_in_one_line(corpus):
     folder = prep.shard_folder(prep.open_corpus(spec), tok, cache)
     n = len(open_corpus(spec).units(UNIT))
     assert sorted(p.name for p in folder.glob("unit-*.json")) == [f"{unit_stem(i)}.json" for i in range(0, n, 2)]
+
+
+def test_too_many_open_files_deletes_nothing(corpus, monkeypatch):
+    """A descriptor limit reached while opening the shards is not damage: one line, every unit kept."""
+    spec, tok, cache = corpus
+    first = prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
+    kept = sorted(p.name for p in first.folder.iterdir())
+
+    def no_descriptors(*a, **k):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(shards_module, "read_stream_header", no_descriptors)
+    with pytest.raises(UsageError, match="ulimit -n"):
+        prep.prepare_tokens(spec, tok, cache_dir=cache, unit_bytes=UNIT, workers=1, console=quiet()[0])
+    assert sorted(p.name for p in first.folder.iterdir()) == kept
+
+
+def test_a_unit_finished_by_another_preparation_meanwhile_is_taken_as_done(corpus, tmp_path):
+    """Two preparations of one folder: the other one finishes the unit (and, older, removed this one's
+    temp files); this one's rename then fails and it takes the other's record."""
+    spec, tok, _ = corpus
+    folder, unit = tmp_path / "shared", open_corpus(spec).units(UNIT)[0]
+    folder.mkdir()
+    theirs = {"stem": unit_stem(0), "tokens": 3, "documents": 1}
+
+    def encode(texts):
+        for tmp in folder.glob(".*.tmp"):
+            tmp.unlink()
+        (folder / f"{unit_stem(0)}.json").write_text(json.dumps(theirs))
+        return tok.encode_batch(texts, special_as_text=True)
+
+    assert prep.write_unit(unit, folder, 0, encode, tok.eos_id, np.uint16, lambda *n: None) == theirs
+    assert not list(folder.glob(".*.tmp"))
+
+
+def test_the_unit_size_record_is_never_left_empty(tmp_path, monkeypatch):
+    """A process stopped while writing units.json leaves no file behind to block the folder."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(prep.json, "dumps", crash)
+        with pytest.raises(KeyboardInterrupt):
+            prep.settled_unit_bytes(folder, 5000)
+    assert list(folder.iterdir()) == []
+    assert prep.settled_unit_bytes(folder, 7000) == 7000
+    assert prep.settled_unit_bytes(folder, 9000) == 7000  # the first one decides
+    assert [p.name for p in folder.iterdir()] == [prep.UNITS_RECORD]
+
+
+def test_a_unit_still_being_written_counts_as_progress(tmp_path, monkeypatch):
+    """Another process's unit may take longer than the timeout: its temp file growing keeps the wait alive."""
+    monkeypatch.setattr(prep, "_POLL", 0.05)
+    done, tmp = tmp_path / f"{unit_stem(1)}.json", tmp_path / f".{unit_stem(1)}.npy.h.1.ab.tmp"
+
+    def other_process():
+        with open(tmp, "wb") as f:
+            for _ in range(12):  # 1.2 s of writing against a 0.5 s timeout
+                f.write(b"ids")
+                f.flush()
+                time.sleep(0.1)
+        done.write_text("{}")
+
+    writer = threading.Thread(target=other_process)
+    writer.start()
+    try:
+        prep._wait_for([done], "the other processes' units", timeout=0.5)
+    finally:
+        writer.join()
+    assert done.exists()
+    with pytest.raises(UsageError, match="waited 0 s"):
+        prep._wait_for([tmp_path / "never.json"], "the other processes' units", timeout=0.3)

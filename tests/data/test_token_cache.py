@@ -2,13 +2,14 @@
 map stops the reader with one line instead of SIGBUS."""
 
 import io
+import os
 
 import numpy as np
 import pytest
 from rich.console import Console
 
 from meshlm.data import make_loader, token_cache, tokenize_corpus
-from meshlm.data.token_cache import DamagedCache, open_token_cache
+from meshlm.data.token_cache import DamagedCache, open_token_cache, read_stream_header
 from meshlm.errors import UsageError
 
 SEQ, BATCH = 16, 4
@@ -121,3 +122,20 @@ def test_a_cache_truncated_while_training_stops_the_reader_with_one_line(corpus,
         loader.batch(1)
     again = make_loader(corpus, Bytes(), SEQ, BATCH, cache_dir=cache, prefetch=0)  # the next run prepares it again
     np.testing.assert_array_equal(again.tokens[0 : len(again.tokens)], want)
+
+
+def test_a_streams_header_is_read_without_keeping_a_descriptor(tmp_path):
+    """What opening many shards checks per file: header and size, the file closed again."""
+    path = tmp_path / "s.npy"
+    np.save(path, np.arange(300, dtype=np.uint16))
+    fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    offset, length = read_stream_header(path, np.uint16)
+    assert length == 300 and offset + 300 * 2 == path.stat().st_size
+    if fds is not None:
+        assert set(os.listdir("/proc/self/fd")) == fds
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 2)
+    with pytest.raises(DamagedCache, match="bytes and its header says"):
+        read_stream_header(path, np.uint16)
+    with pytest.raises(DamagedCache, match="not a stream of uint32"):
+        read_stream_header(path, np.uint32)
