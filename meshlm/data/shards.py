@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.token_cache import DamagedCache, open_token_cache, read_stream_header
+from meshlm.data.token_cache import DamagedCache, TokenStream, open_token_cache, read_stream_header
 from meshlm.errors import UsageError
 
 FORMAT = "shards-v1"  # bump when the folder's layout changes
@@ -92,7 +92,7 @@ class TokenShards:
         for unit in self.units:
             self._check_unit(unit)
         self._ends = np.cumsum([u["tokens"] for u in self.units], dtype=np.int64)
-        self._open: OrderedDict[int, np.ndarray] = OrderedDict()  # unit -> its stream, least recently read first
+        self._open: OrderedDict[int, TokenStream] = OrderedDict()  # unit -> its stream, least recently read first
 
     def _path(self, unit: int | dict) -> Path:
         return self.folder / f"{(self.units[unit] if isinstance(unit, int) else unit)['stem']}.npy"
